@@ -1,0 +1,38 @@
+"""hqekv: HqeKV mixed-precision KV-cache compression for Hugging Face causal LMs.
+
+``hqekv.patch_model(model, bavg=3.2)`` keeps every 32-token chunk of the cache in FP16,
+4-bit, 2-bit or 1-bit, or evicts it, by a joint K-V importance metric (HqeKV, Findings of
+ACL 2026).
+"""
+
+from .cache import HqeKVCache, HqeKVLayer
+from .config import FP16_RATIOS, HqeKVConfig, TierRatios, uncalibrated_ratios
+from .memory import MemoryReport
+from .patching import (
+    DEFAULT_BAVG,
+    UncalibratedRatiosWarning,
+    is_patched,
+    memory_report,
+    new_cache,
+    patch_model,
+    unpatch_model,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DEFAULT_BAVG",
+    "FP16_RATIOS",
+    "HqeKVCache",
+    "HqeKVConfig",
+    "HqeKVLayer",
+    "MemoryReport",
+    "TierRatios",
+    "UncalibratedRatiosWarning",
+    "is_patched",
+    "memory_report",
+    "new_cache",
+    "patch_model",
+    "uncalibrated_ratios",
+    "unpatch_model",
+]

@@ -1,0 +1,529 @@
+"""The HqeKV cache: per-tier pools of chunk slots plus per-sequence chunk tables.
+
+One :class:`HqeKVLayer` per attention layer holds *all* request state of that layer
+(SPEC §1.4 fix: nothing lives on modules or globals). Its storage:
+
+- ``k_pools`` / ``v_pools``: for each tier, a pool of chunk slots. FP16 slots are
+  (N, Hkv, G, D) in the model dtype; quantized slots hold packed int32 codes plus a
+  metadata pair per group (keys: per-channel groups over the G tokens, values: per-token
+  groups of channels).
+- chunk tables (B, C): logical chunk index, K tier and slot, V tier and slot of each kept
+  chunk of each sequence, compacted to the left; -1 marks an empty entry. Evicted chunks
+  are physically gone.
+- the FP16 tail (B, Hkv, G, D) of the newest ``len % G`` tokens of each sequence.
+- the window of the last m queries (after RoPE) that re-ranking scores importance with.
+
+Positions stay absolute (keys are cached after RoPE): the cache reports the logical
+length to the model, and attention runs over the physical tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from . import importance, policy
+from .config import HqeKVConfig
+from .packing import pack_codes, packed_words, unpack_codes
+from .policy import EVICTED, FP16, INT1, INT2, INT4, TIER_CODE_BITS, TIER_NAMES
+from .quantization import (
+    NORMALIZED,
+    UNIFORM,
+    dequantize,
+    key_chunks,
+    key_groups,
+    quantize,
+    value_chunks,
+    value_groups,
+)
+
+
+@dataclass(frozen=True)
+class TierFormat:
+    bits: int
+    method: str
+
+
+TIER_FORMATS = {INT4: TierFormat(4, UNIFORM), INT2: TierFormat(2, UNIFORM), INT1: TierFormat(1, NORMALIZED)}
+QUANTIZED_TIERS = (INT4, INT2, INT1)
+KEY, VALUE = "k", "v"
+
+
+@dataclass
+class QuantizedPool:
+    """Chunk slots of one component at one quantized tier.
+
+    keys:   codes (N, H, D, ceil(G·b/32)) int32, meta0/meta1 (N, H, D)
+    values: codes (N, H, G, D//g, ceil(g·b/32)) int32, meta0/meta1 (N, H, G, D//g)
+    meta0/meta1 are scale/zero (uniform) or std/mean (normalized).
+    """
+
+    codes: torch.Tensor
+    meta0: torch.Tensor
+    meta1: torch.Tensor
+
+    def __len__(self) -> int:
+        return self.codes.shape[0]
+
+    def select(self, slots: torch.Tensor) -> "QuantizedPool":
+        return QuantizedPool(self.codes[slots], self.meta0[slots], self.meta1[slots])
+
+    @staticmethod
+    def cat(parts: list["QuantizedPool"]) -> "QuantizedPool":
+        return QuantizedPool(*(torch.cat([getattr(p, f) for p in parts]) for f in ("codes", "meta0", "meta1")))
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.codes, self.meta0, self.meta1)
+
+
+def encode_chunks(chunks: torch.Tensor, tier: int, component: str, value_group: int, meta_dtype: torch.dtype) -> QuantizedPool:
+    """Quantize and pack chunks: (N, H, G, D) -> QuantizedPool at ``tier``."""
+    fmt = TIER_FORMATS[tier]
+    groups = key_groups(chunks) if component == KEY else value_groups(chunks, value_group)
+    codes, m0, m1 = quantize(groups, fmt.bits, fmt.method, meta_dtype)
+    return QuantizedPool(pack_codes(codes, fmt.bits), m0, m1)
+
+
+def decode_chunks(pool: QuantizedPool, tier: int, component: str, group_len: int, dtype: torch.dtype) -> torch.Tensor:
+    """Unpack and dequantize: QuantizedPool at ``tier`` -> (N, H, G, D) ``dtype``.
+
+    ``group_len`` is G for keys and the value channel group for values.
+    """
+    fmt = TIER_FORMATS[tier]
+    codes = unpack_codes(pool.codes, fmt.bits, group_len)
+    x = dequantize(codes, pool.meta0, pool.meta1, fmt.bits, fmt.method, dtype)
+    return key_chunks(x) if component == KEY else value_chunks(x)
+
+
+def _stable_order(valid: torch.Tensor, valid_first: bool) -> torch.Tensor:
+    """Permutation of each row putting valid entries first (or last), order preserved.
+
+    valid (B, L) bool -> (B, L) int64.
+    """
+    key = (~valid if valid_first else valid).to(torch.int8)
+    return key.argsort(dim=1, stable=True)
+
+
+def _gather_seq(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """x (B, H, L, D), index (B, L') -> (B, H, L', D)."""
+    b, h, _, d = x.shape
+    return x.gather(2, index[:, None, :, None].expand(b, h, index.shape[1], d))
+
+
+_ROW_STATE = (
+    "chunk_pos", "k_tier", "k_slot", "v_tier", "v_slot",
+    "tail_k", "tail_v", "tail_len",
+    "win_q", "win_pos", "win_valid",
+    "real_len", "n_chunks", "n_evicted", "since_rerank",
+)  # fmt: skip
+
+
+class HqeKVLayer(CacheLayerMixin):
+    """One attention layer's mixed-precision cache (SPEC §1.3–§1.4).
+
+    Use through :meth:`attend`, which the patched attention calls: it attends the new
+    queries over the cache plus the new tokens, then stores the new tokens (FP16 tail,
+    flushed into FP16 chunks) and re-ranks every ``rerank_interval`` tokens.
+    """
+
+    is_compileable = False
+    is_sliding = False
+    is_croppable = False
+
+    def __init__(self, config: HqeKVConfig, layer_idx: int | None = None):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.seen = 0
+
+    # --- CacheLayerMixin contract ----------------------------------------------------------
+
+    def lazy_initialization(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, query_states: torch.Tensor | None = None
+    ) -> None:
+        cfg = self.config
+        b, h, _, d = key_states.shape
+        hq = query_states.shape[1] if query_states is not None else h
+        g = cfg.chunk_size
+        self.device, self.dtype = key_states.device, key_states.dtype
+        self.meta_dtype = cfg.resolve_metadata_dtype(self.dtype)
+        self.value_group = min(cfg.value_group, d)
+        if d % self.value_group:
+            raise ValueError(f"head dim {d} is not a multiple of the value channel group {self.value_group}")
+        self.batch_size, self.num_kv_heads, self.head_dim = b, h, d
+        empty = key_states.new_zeros(0, h, g, d)
+        self.k_fp, self.v_fp = empty, empty.clone()
+        self.k_q = {t: encode_chunks(empty, t, KEY, self.value_group, self.meta_dtype) for t in QUANTIZED_TIERS}
+        self.v_q = {t: encode_chunks(empty, t, VALUE, self.value_group, self.meta_dtype) for t in QUANTIZED_TIERS}
+        long = dict(dtype=torch.long, device=self.device)
+        self.chunk_pos = torch.full((b, 0), -1, **long)
+        self.k_tier, self.k_slot = self.chunk_pos.clone(), self.chunk_pos.clone()
+        self.v_tier, self.v_slot = self.chunk_pos.clone(), self.chunk_pos.clone()
+        self.tail_k = key_states.new_zeros(b, h, g, d)
+        self.tail_v = value_states.new_zeros(b, h, g, d)
+        self.tail_len = torch.zeros(b, **long)
+        self.win_q = key_states.new_zeros(b, hq, cfg.window, d)
+        self.win_pos = torch.zeros(b, cfg.window, **long)
+        self.win_valid = torch.zeros(b, cfg.window, dtype=torch.bool, device=self.device)
+        self.real_len = torch.zeros(b, **long)
+        self.n_chunks = torch.zeros(b, **long)
+        self.n_evicted = torch.zeros(b, **long)
+        self.since_rerank = torch.full((b,), cfg.rerank_interval, **long)
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        raise NotImplementedError(
+            "HqeKVLayer stores a compressed cache and cannot return dense keys/values; attention must go "
+            "through a model patched with hqekv.patch_model (HqeKVLayer.attend)."
+        )
+
+    def get_seq_length(self) -> int:
+        """Logical length: every token seen, evicted ones included, so position ids stay right."""
+        return self.seen
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.seen + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.seen = 0
+        self.is_initialized = False
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("an HqeKV cache cannot be cropped: quantized and evicted tokens cannot be restored")
+
+    def _map_rows(self, fn) -> None:
+        if self.is_initialized:
+            for name in _ROW_STATE:
+                setattr(self, name, fn(getattr(self, name)))
+            self.batch_size = self.chunk_pos.shape[0]
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Rows may then share pool slots; the next rebuild gives each its own copy."""
+        self._map_rows(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._map_rows(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._map_rows(lambda t: t[indices])
+
+    # --- attention ---------------------------------------------------------------------------
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scaling: float,
+        new_valid: torch.Tensor | None = None,
+        dense_attention=None,
+    ) -> torch.Tensor:
+        """Attention of the new tokens over the cache, then store them.
+
+        query (B, Hq, S, D), key/value (B, Hkv, S, D) after RoPE; new_valid (B, S) bool, False
+        for padding. ``dense_attention(q, k, v) -> (B, S, Hq, D)`` is the model's own attention,
+        used while the cache is empty so that the prefill is exactly the unpatched one.
+        -> (B, S, Hq, D).
+        """
+        b, _, s, _ = key.shape
+        if s == 0:
+            raise ValueError("empty input: at least one token is needed")
+        if new_valid is None:
+            new_valid = torch.ones(b, s, dtype=torch.bool, device=key.device)
+        if new_valid.shape != (b, s):
+            raise ValueError(f"padding mask of shape {tuple(new_valid.shape)} does not match {b} rows × {s} tokens")
+        if not self.is_initialized:
+            self.lazy_initialization(key, value, query)
+        elif key.shape[0] != self.batch_size or key.shape[1] != self.num_kv_heads or key.shape[3] != self.head_dim:
+            raise ValueError(
+                f"keys of shape {tuple(key.shape)} do not fit a cache of {self.batch_size} rows, "
+                f"{self.num_kv_heads} KV heads, head dim {self.head_dim}"
+            )
+        self.scaling = scaling
+        if self.seen == 0 and dense_attention is not None:
+            out = dense_attention(query, key, value)
+        else:
+            out = self._mixed_attention(query, key, value, new_valid, scaling)
+        with torch.no_grad():
+            self._append(query.detach(), key.detach(), value.detach(), new_valid)
+        self.seen += s
+        return out
+
+    def _mixed_attention(self, query, key, value, new_valid, scaling) -> torch.Tensor:
+        """Reference attention over FP16 chunks, dequantized chunks, the tail and the new tokens."""
+        k_old, v_old, _, valid_old = self.physical_cache()
+        b, s = new_valid.shape
+        k_all = torch.cat([k_old, key], dim=2)
+        v_all = torch.cat([v_old, value], dim=2)
+        causal = torch.ones(s, s, dtype=torch.bool, device=key.device).tril()
+        mask = torch.cat(
+            [valid_old[:, None, :].expand(b, s, valid_old.shape[1]), causal[None] & new_valid[:, None, :]], dim=-1
+        )
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query, k_all, v_all, attn_mask=mask[:, None], scale=scaling, enable_gqa=query.shape[1] != key.shape[1]
+        )
+        return out.transpose(1, 2)
+
+    # --- storage -------------------------------------------------------------------------------
+
+    def _dense_pool(self, component: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """All slots of one component, dequantized: (N_total, H, G, D) and tier offsets (4,)."""
+        fp, pools = (self.k_fp, self.k_q) if component == KEY else (self.v_fp, self.v_q)
+        group_len = self.config.chunk_size if component == KEY else self.value_group
+        parts = [fp] + [decode_chunks(pools[t], t, component, group_len, self.dtype) for t in QUANTIZED_TIERS]
+        sizes = torch.tensor([0] + [p.shape[0] for p in parts[:-1]], device=self.device)
+        return torch.cat(parts), sizes.cumsum(0)
+
+    def physical_cache(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The kept tokens, dequantized, chunks first then the tail.
+
+        -> keys, values (B, H, C·G + G, D) model dtype, positions (B, C·G + G) int64 (logical index
+        of each token within its sequence), valid (B, C·G + G) bool.
+        """
+        g = self.config.chunk_size
+        b, c = self.chunk_pos.shape
+        chunk_valid = self.chunk_pos >= 0
+        out = []
+        for component, tier, slot, tail in (
+            (KEY, self.k_tier, self.k_slot, self.tail_k),
+            (VALUE, self.v_tier, self.v_slot, self.tail_v),
+        ):
+            dense, offsets = self._dense_pool(component)
+            index = torch.where(chunk_valid, offsets[tier.clamp(0, INT1)] + slot, 0)
+            chunks = dense[index]  # (B, C, H, G, D)
+            chunks = chunks.permute(0, 2, 1, 3, 4).reshape(b, self.num_kv_heads, c * g, self.head_dim)
+            out.append(torch.cat([chunks, tail], dim=2))
+        ar = torch.arange(g, device=self.device)
+        positions = torch.cat(
+            [(self.chunk_pos[:, :, None] * g + ar).reshape(b, c * g), self.n_chunks[:, None] * g + ar], dim=1
+        )
+        valid = torch.cat([chunk_valid.repeat_interleave(g, dim=1), ar[None, :] < self.tail_len[:, None]], dim=1)
+        return out[0], out[1], positions, valid
+
+    def _append(self, query, key, value, new_valid) -> None:
+        """Window, tail, flush of full chunks into FP16 slots, and re-ranking when due."""
+        cfg = self.config
+        g = cfg.chunk_size
+        b, h, s, d = key.shape
+        n_new = new_valid.sum(1)
+
+        # Rolling window of the last m real queries.
+        q_pos = self.real_len[:, None] + new_valid.long().cumsum(1) - 1
+        wq = torch.cat([self.win_q, query.to(self.win_q.dtype)], dim=2)
+        wpos = torch.cat([self.win_pos, q_pos], dim=1)
+        wvalid = torch.cat([self.win_valid, new_valid], dim=1)
+        order = _stable_order(wvalid, valid_first=False)[:, -cfg.window :]
+        self.win_q = _gather_seq(wq, order)
+        self.win_pos = wpos.gather(1, order)
+        self.win_valid = wvalid.gather(1, order)
+
+        # Tail plus new real tokens, compacted; full chunks leave as FP16 chunks.
+        ar = torch.arange(g, device=self.device)
+        pvalid = torch.cat([ar[None, :] < self.tail_len[:, None], new_valid], dim=1)
+        order = _stable_order(pvalid, valid_first=True)
+        pk = _gather_seq(torch.cat([self.tail_k, key], dim=2), order)
+        pv = _gather_seq(torch.cat([self.tail_v, value], dim=2), order)
+        n_pending = self.tail_len + n_new
+        n_full = n_pending // g
+        flushed = int(n_full.max())
+        if flushed:
+            fk = pk[:, :, : flushed * g].reshape(b, h, flushed, g, d).transpose(1, 2)
+            fv = pv[:, :, : flushed * g].reshape(b, h, flushed, g, d).transpose(1, 2)
+            self._add_fp16_chunks(fk, fv, torch.arange(flushed, device=self.device)[None, :] < n_full[:, None])
+        pk = torch.nn.functional.pad(pk, (0, 0, 0, g))
+        pv = torch.nn.functional.pad(pv, (0, 0, 0, g))
+        index = n_full[:, None] * g + ar
+        self.tail_k = _gather_seq(pk, index)
+        self.tail_v = _gather_seq(pv, index)
+        self.tail_len = n_pending - n_full * g
+
+        self.real_len = self.real_len + n_new
+        self.since_rerank = self.since_rerank + n_new
+        due = (n_full > 0) & (self.since_rerank >= cfg.rerank_interval)
+        if bool(due.any()):
+            self.rerank(due)
+
+    def _add_fp16_chunks(self, fk: torch.Tensor, fv: torch.Tensor, ok: torch.Tensor) -> None:
+        """Append new chunks (B, F, H, G, D) where ``ok`` (B, F) to the FP16 pools and chunk tables."""
+        rows, cols = ok.nonzero(as_tuple=True)
+        first = self.k_fp.shape[0]
+        self.k_fp = torch.cat([self.k_fp, fk[rows, cols]])
+        self.v_fp = torch.cat([self.v_fp, fv[rows, cols]])
+        n_phys = (self.chunk_pos >= 0).sum(1)
+        b, c_old = self.chunk_pos.shape
+        c_new = int((n_phys + ok.sum(1)).max())
+        grow = c_new - c_old
+        tables = [
+            torch.nn.functional.pad(t, (0, grow), value=-1)
+            for t in (self.chunk_pos, self.k_tier, self.k_slot, self.v_tier, self.v_slot)
+        ]
+        dest = n_phys[rows] + cols
+        slots = first + torch.arange(rows.numel(), device=self.device)
+        for table, value in zip(tables, (self.n_chunks[rows] + cols, FP16, slots, FP16, slots)):
+            table[rows, dest] = value
+        self.chunk_pos, self.k_tier, self.k_slot, self.v_tier, self.v_slot = tables
+        self.n_chunks = self.n_chunks + ok.sum(1)
+
+    def rerank(self, rows: torch.Tensor) -> None:
+        """Re-rank the chunks of ``rows`` (B,) bool and move them down the tiers (SPEC §1.4).
+
+        Importance comes from the window queries over the current cache; chunks only move
+        downward (FP16 → 4 → 2 → 1 → evicted), re-quantized from their dequantized values.
+        """
+        cfg = self.config
+        g = cfg.chunk_size
+        keys, values, positions, valid = self.physical_cache()
+        if not (torch.isfinite(keys).all() and torch.isfinite(values).all()):
+            raise ValueError(
+                f"non-finite (NaN/inf) key or value states in layer {self.layer_idx}: they cannot be ranked or quantized"
+            )
+        attention = importance.window_attention(
+            self.win_q, self.win_pos, self.win_valid, keys, positions, valid, self.scaling
+        )
+        metric_k, metric_v = importance.token_metrics(attention, values)
+        b, c = self.chunk_pos.shape
+        score_k = importance.chunk_scores(metric_k[:, : c * g], g)
+        score_v = importance.chunk_scores(metric_v[:, : c * g], g)
+        chunk_valid = self.chunk_pos >= 0
+        prop_k, prop_v = policy.assign_tiers(
+            score_k,
+            score_v,
+            chunk_valid,
+            cfg.ratios,
+            n_logical=self.n_chunks,
+            n_evicted=self.n_evicted,
+            protected=cfg.protected_chunks,
+            eviction=cfg.eviction,
+        )
+        here = rows[:, None] & chunk_valid
+        new_k = torch.where(here, torch.maximum(self.k_tier, prop_k), self.k_tier)
+        new_v = torch.where(here, torch.maximum(self.v_tier, prop_v), self.v_tier)
+        evicted = here & (prop_k == EVICTED)
+        dense_k = keys[:, :, : c * g].reshape(b, self.num_kv_heads, c, g, self.head_dim).transpose(1, 2)
+        dense_v = values[:, :, : c * g].reshape(b, self.num_kv_heads, c, g, self.head_dim).transpose(1, 2)
+        self._rebuild(new_k, new_v, dense_k, dense_v)
+        self.n_evicted = self.n_evicted + evicted.sum(1)
+        self.since_rerank = torch.where(rows, 0, self.since_rerank)
+
+    def _rebuild(self, new_k, new_v, dense_k, dense_v) -> None:
+        """Rebuild pools and tables for new tiers (B, C); EVICTED entries are dropped.
+
+        Chunks that keep their tier are copied slot to slot; downgraded ones are
+        re-quantized from their dequantized values ``dense_* (B, C, H, G, D)``.
+        """
+        chunk_valid = self.chunk_pos >= 0
+        kept = chunk_valid & (new_k != EVICTED)
+        new_slots = []
+        for component, old_tier, old_slot, new_tier, dense in (
+            (KEY, self.k_tier, self.k_slot, new_k, dense_k),
+            (VALUE, self.v_tier, self.v_slot, new_v, dense_v),
+        ):
+            fp, pools = (self.k_fp, self.k_q) if component == KEY else (self.v_fp, self.v_q)
+            slot = torch.full_like(old_slot, -1)
+            new_pools = {}
+            for t in (FP16, *QUANTIZED_TIERS):
+                at_t = kept & (new_tier == t)
+                same = at_t & (old_tier == t)
+                moved = at_t & (old_tier != t)
+                rs, cs = same.nonzero(as_tuple=True)
+                rm, cm = moved.nonzero(as_tuple=True)
+                slot[rs, cs] = torch.arange(rs.numel(), device=self.device)
+                slot[rm, cm] = rs.numel() + torch.arange(rm.numel(), device=self.device)
+                if t == FP16:
+                    if rm.numel():
+                        raise AssertionError("a chunk moved up to FP16; tiers only move down")
+                    new_pools[t] = fp[old_slot[rs, cs]]
+                else:
+                    fresh = encode_chunks(dense[rm, cm], t, component, self.value_group, self.meta_dtype)
+                    new_pools[t] = QuantizedPool.cat([pools[t].select(old_slot[rs, cs]), fresh])
+            new_slots.append(slot)
+            if component == KEY:
+                self.k_fp, self.k_q = new_pools[FP16], {t: new_pools[t] for t in QUANTIZED_TIERS}
+            else:
+                self.v_fp, self.v_q = new_pools[FP16], {t: new_pools[t] for t in QUANTIZED_TIERS}
+
+        # Compact each row's kept chunks to the left, logical order preserved.
+        b = kept.shape[0]
+        width = int(kept.sum(1).max()) if b else 0
+        dest = kept.long().cumsum(1) - 1
+        rows, cols = kept.nonzero(as_tuple=True)
+        tables = []
+        for source in (self.chunk_pos, new_k, new_slots[0], new_v, new_slots[1]):
+            table = torch.full((b, width), -1, dtype=torch.long, device=self.device)
+            table[rows, dest[rows, cols]] = source[rows, cols]
+            tables.append(table)
+        self.chunk_pos, self.k_tier, self.k_slot, self.v_tier, self.v_slot = tables
+
+    # --- accounting ----------------------------------------------------------------------------
+
+    def storage(self) -> dict[str, int]:
+        """Real bytes of everything this layer stores, by part."""
+        if not self.is_initialized:
+            return {}
+        out = {}
+        for comp, fp, pools in ((KEY, self.k_fp, self.k_q), (VALUE, self.v_fp, self.v_q)):
+            out[f"{comp}.fp16"] = fp.nbytes
+            for t in QUANTIZED_TIERS:
+                out[f"{comp}.{TIER_NAMES[t]}"] = sum(x.nbytes for x in pools[t].tensors())
+        out["tail"] = self.tail_k.nbytes + self.tail_v.nbytes + self.tail_len.nbytes
+        out["tables"] = sum(getattr(self, n).nbytes for n in ("chunk_pos", "k_tier", "k_slot", "v_tier", "v_slot"))
+        out["window"] = self.win_q.nbytes + self.win_pos.nbytes + self.win_valid.nbytes
+        out["counters"] = sum(getattr(self, n).nbytes for n in ("real_len", "n_chunks", "n_evicted", "since_rerank"))
+        return out
+
+    def chunk_counts(self) -> dict[str, int]:
+        """Kept chunks per tier and component, evicted chunks and tail tokens, over all rows."""
+        valid = self.chunk_pos >= 0
+        out = {}
+        for comp, tier in ((KEY, self.k_tier), (VALUE, self.v_tier)):
+            for t in (FP16, *QUANTIZED_TIERS):
+                out[f"{comp}.{TIER_NAMES[t]}"] = int((valid & (tier == t)).sum())
+        out["evicted"] = int(self.n_evicted.sum())
+        out["tail_tokens"] = int(self.tail_len.sum())
+        out["real_tokens"] = int(self.real_len.sum())
+        return out
+
+
+class HqeKVCache(Cache):
+    """A ``transformers`` cache of :class:`HqeKVLayer` s, one per attention layer.
+
+    Create one per request (``generate`` does it for a patched model); it holds all of that
+    request's state. ``input_valid`` (B, S) bool is the padding mask of the tokens of the
+    forward in progress, set by the patched model from its 2-D ``attention_mask``.
+    """
+
+    def __init__(self, config: HqeKVConfig, num_layers: int):
+        super().__init__(layers=[HqeKVLayer(config, i) for i in range(num_layers)])
+        self.config = config
+        self.input_valid: torch.Tensor | None = None
+
+    def memory_report(self):
+        """Real bytes per tier and part, against FP16 and dense caches: a :class:`MemoryReport`."""
+        from .memory import MemoryReport
+
+        report = MemoryReport()
+        g = self.config.chunk_size
+        for layer in self.layers:
+            if not layer.is_initialized:
+                continue
+            for part, n in layer.storage().items():
+                report.bytes_by_part[part] = report.bytes_by_part.get(part, 0) + n
+            counts = layer.chunk_counts()
+            for part, n in counts.items():
+                report.chunks[part] = report.chunks.get(part, 0) + n
+            per_token = layer.num_kv_heads * layer.head_dim  # elements per token per component
+            elt = torch.empty(0, dtype=layer.dtype).element_size()
+            report.dense_bytes += 2 * layer.batch_size * layer.seen * per_token * elt
+            report.fp16_bytes += 2 * counts["real_tokens"] * per_token * 2
+            report.elements += 2 * counts["real_tokens"] * per_token
+            chunk_elements = g * per_token
+            for comp in (KEY, VALUE):
+                for t in (FP16, *QUANTIZED_TIERS):
+                    report.code_bits += counts[f"{comp}.{TIER_NAMES[t]}"] * chunk_elements * TIER_CODE_BITS[t]
+            report.code_bits += 2 * counts["tail_tokens"] * per_token * 16
+        return report

@@ -1,0 +1,203 @@
+"""Settings of an HqeKV cache: a validated, versioned dataclass (SPEC §1)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+CONFIG_VERSION = 1
+
+EVICTION_CRITERIA = ("joint", "key", "value")
+"""joint: evict chunks unimportant under both metrics (SPEC §1.3 fix); key / value: ablations."""
+
+MAX_BAVG = 16.0
+RATIO_TOLERANCE = 1e-4
+
+
+def check_bavg(bavg: Any) -> float:
+    """Return ``bavg`` as a float in (0, 16], or raise ``ValueError``/``TypeError`` naming the problem."""
+    if isinstance(bavg, bool) or not isinstance(bavg, (int, float)):
+        raise TypeError(f"bavg must be a number of bits per element in (0, {MAX_BAVG:g}], got {bavg!r}")
+    bavg = float(bavg)
+    if math.isnan(bavg) or math.isinf(bavg):
+        raise ValueError(f"bavg must be finite, got {bavg!r}")
+    if not 0.0 < bavg <= MAX_BAVG:
+        raise ValueError(f"bavg must be in (0, {MAX_BAVG:g}] bits per element, got {bavg:g}")
+    return bavg
+
+
+@dataclass(frozen=True)
+class TierRatios:
+    """Shares of chunks per tier (SPEC §1.3); they sum to 1.
+
+    ``int4``, ``int2``, ``int1``, ``evict`` are the paper's δ1..δ4. ``fp16`` is an extra
+    full-precision share (0 in the paper), so that bavg in (4, 16] and the all-FP16
+    identity setting can be expressed. The top chunks and the tail are FP16 on top of these.
+    """
+
+    fp16: float = 0.0
+    int4: float = 0.0
+    int2: float = 0.0
+    int1: float = 0.0
+    evict: float = 0.0
+
+    def __post_init__(self):
+        values = self.as_tuple()
+        for name, value in zip(self.names(), values):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"ratio {name} must be a finite number, got {value!r}")
+            if value < -RATIO_TOLERANCE or value > 1 + RATIO_TOLERANCE:
+                raise ValueError(f"ratio {name} must be in [0, 1], got {value:g}")
+        total = sum(values)
+        if abs(total - 1.0) > RATIO_TOLERANCE:
+            raise ValueError(f"tier ratios must sum to 1, got {total:g} ({self.describe()})")
+
+    @staticmethod
+    def names() -> tuple[str, ...]:
+        return ("fp16", "int4", "int2", "int1", "evict")
+
+    def as_tuple(self) -> tuple[float, float, float, float, float]:
+        return (self.fp16, self.int4, self.int2, self.int1, self.evict)
+
+    @property
+    def bavg(self) -> float:
+        """Average code bits per element these ratios give (SPEC eq. 6, FP16 counting 16)."""
+        return 16 * self.fp16 + 4 * self.int4 + 2 * self.int2 + self.int1
+
+    def describe(self) -> str:
+        return ", ".join(f"{n}={v:.4g}" for n, v in zip(self.names(), self.as_tuple()))
+
+    @classmethod
+    def coerce(cls, ratios: "TierRatios | Sequence[float] | dict") -> "TierRatios":
+        """Accept a TierRatios, a dict, ``(d4, d2, d1, d_evict)`` (paper order) or
+        ``(fp16, d4, d2, d1, d_evict)``."""
+        if isinstance(ratios, cls):
+            return ratios
+        if isinstance(ratios, dict):
+            unknown = set(ratios) - set(cls.names())
+            if unknown:
+                raise ValueError(f"unknown tier names {sorted(unknown)}; expected some of {cls.names()}")
+            return cls(**{k: float(v) for k, v in ratios.items()})
+        if isinstance(ratios, torch.Tensor):
+            ratios = ratios.tolist()
+        if isinstance(ratios, (list, tuple)):
+            if len(ratios) == 4:
+                return cls(0.0, *(float(r) for r in ratios))
+            if len(ratios) == 5:
+                return cls(*(float(r) for r in ratios))
+            raise ValueError(
+                f"ratios must have 4 entries (d4, d2, d1, d_evict) or 5 (fp16, d4, d2, d1, d_evict), got {len(ratios)}"
+            )
+        raise TypeError(f"ratios must be a TierRatios, dict or sequence of floats, got {type(ratios).__name__}")
+
+
+FP16_RATIOS = TierRatios(fp16=1.0)
+"""Everything full precision: the cache must then reproduce the unpatched model."""
+
+
+def uncalibrated_ratios(bavg: float) -> TierRatios:
+    """Documented fallback when no calibrated artifact exists for a model and bavg.
+
+    Uses the fewest tiers that reach ``bavg`` exactly, preferring quantization over
+    eviction: (4, 16] FP16 + 4-bit; [2, 4] 4-bit + 2-bit; [1, 2) 2-bit + 1-bit;
+    (0, 1) 1-bit + eviction.
+    """
+    bavg = check_bavg(bavg)
+    if bavg > 4:
+        fp16 = (bavg - 4) / 12
+        return TierRatios(fp16=fp16, int4=1 - fp16)
+    if bavg >= 2:
+        return TierRatios(int4=(bavg - 2) / 2, int2=(4 - bavg) / 2)
+    if bavg >= 1:
+        return TierRatios(int2=bavg - 1, int1=2 - bavg)
+    return TierRatios(int1=bavg, evict=1 - bavg)
+
+
+@dataclass(frozen=True)
+class HqeKVConfig:
+    """How an HqeKV cache compresses (SPEC §1).
+
+    Parameters
+    ----------
+    ratios : TierRatios
+        Shares of chunks per tier.
+    bavg : float
+        Target average code bits per element; equals ``ratios.bavg``.
+    chunk_size : int, default 32
+        G, tokens per chunk; also the FP16 tail capacity.
+    window : int, default 20
+        m, number of most recent queries whose attention scores importance.
+    rerank_interval : int, default 32
+        T, generated tokens between re-rankings; a multiple of ``chunk_size``.
+    protected_chunks : int, default 2
+        Chunks kept in FP16 per metric on top of the ratios, never evicted.
+    eviction : {"joint", "key", "value"}, default "joint"
+        Which metric decides eviction (SPEC §1.3 fix; "key"/"value" are ablations).
+    value_group : int, default 32
+        Channels per value quantization group (capped at the head dim).
+    metadata_dtype : str or None
+        dtype of scale/zero and std/mean; None: bfloat16 for bf16 models, else float16.
+    ratios_source : str
+        Where the ratios came from ("explicit", "artifact:<path>", "uncalibrated").
+    """
+
+    ratios: TierRatios
+    bavg: float
+    chunk_size: int = 32
+    window: int = 20
+    rerank_interval: int = 32
+    protected_chunks: int = 2
+    eviction: str = "joint"
+    value_group: int = 32
+    metadata_dtype: str | None = None
+    ratios_source: str = "explicit"
+    version: int = field(default=CONFIG_VERSION)
+
+    def __post_init__(self):
+        if not isinstance(self.ratios, TierRatios):
+            object.__setattr__(self, "ratios", TierRatios.coerce(self.ratios))
+        object.__setattr__(self, "bavg", check_bavg(self.bavg))
+        if abs(self.ratios.bavg - self.bavg) > 1e-3:
+            raise ValueError(
+                f"ratios give {self.ratios.bavg:.4g} bits per element (SPEC eq. 6: "
+                f"16·fp16 + 4·d4 + 2·d2 + d1) but bavg={self.bavg:g}; ({self.ratios.describe()})"
+            )
+        for name in ("chunk_size", "window", "rerank_interval", "value_group"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if isinstance(self.protected_chunks, bool) or not isinstance(self.protected_chunks, int) or self.protected_chunks < 0:
+            raise ValueError(f"protected_chunks must be a non-negative integer, got {self.protected_chunks!r}")
+        if self.chunk_size % 32 and 32 % self.chunk_size:
+            raise ValueError(f"chunk_size must divide or be a multiple of 32, got {self.chunk_size}")
+        if self.rerank_interval % self.chunk_size:
+            raise ValueError(
+                f"rerank_interval ({self.rerank_interval}) must be a multiple of chunk_size ({self.chunk_size})"
+            )
+        if self.eviction not in EVICTION_CRITERIA:
+            raise ValueError(f"eviction must be one of {EVICTION_CRITERIA}, got {self.eviction!r}")
+        if self.metadata_dtype not in (None, "float16", "bfloat16", "float32"):
+            raise ValueError(f"metadata_dtype must be None, 'float16', 'bfloat16' or 'float32', got {self.metadata_dtype!r}")
+
+    def resolve_metadata_dtype(self, kv_dtype: torch.dtype) -> torch.dtype:
+        if self.metadata_dtype is not None:
+            return getattr(torch, self.metadata_dtype)
+        return torch.bfloat16 if kv_dtype == torch.bfloat16 else torch.float16
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["ratios"] = dict(zip(TierRatios.names(), self.ratios.as_tuple()))
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "HqeKVConfig":
+        d = dict(d)
+        version = d.pop("version", CONFIG_VERSION)
+        if version != CONFIG_VERSION:
+            raise ValueError(f"unsupported HqeKVConfig version {version}; this library reads version {CONFIG_VERSION}")
+        d["ratios"] = TierRatios.coerce(d["ratios"])
+        return cls(**d)

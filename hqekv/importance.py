@@ -1,0 +1,58 @@
+"""Joint K-V importance (paper §3.2, SPEC §1.2): window attention -> metric_K, metric_V -> chunk scores."""
+
+from __future__ import annotations
+
+import torch
+
+
+def window_attention(
+    queries: torch.Tensor,
+    query_pos: torch.Tensor,
+    query_valid: torch.Tensor,
+    keys: torch.Tensor,
+    key_pos: torch.Tensor,
+    key_valid: torch.Tensor,
+    scaling: float,
+) -> torch.Tensor:
+    """Attention the last m queries pay to each cached token, per KV head.
+
+    queries (B, Hq, m, D) after RoPE; query_pos (B, m) int; query_valid (B, m) bool.
+    keys (B, Hkv, N, D) after RoPE; key_pos (B, N) int; key_valid (B, N) bool.
+    -> (B, Hkv, N) float32: per token, the softmax weights summed over the queries that can
+    see it causally, divided by how many of them do; query heads of a KV group averaged.
+    """
+    b, hq, m, d = queries.shape
+    hkv, n = keys.shape[1], keys.shape[2]
+    if hq % hkv:
+        raise ValueError(f"{hq} query heads are not a multiple of {hkv} KV heads")
+    q = queries.float().reshape(b, hkv, hq // hkv, m, d)
+    k = keys.float()
+    logits = torch.einsum("bhgmd,bhnd->bhgmn", q, k) * scaling
+    visible = (
+        key_valid[:, None, :]
+        & query_valid[:, :, None]
+        & (key_pos[:, None, :] <= query_pos[:, :, None])
+    )  # (B, m, N)
+    logits = logits.masked_fill(~visible[:, None, None], -float("inf"))
+    probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # a query that sees nothing adds 0
+    seen_by = visible.sum(1).clamp(min=1)  # (B, N)
+    per_token = probs.sum(3) / seen_by[:, None, None, :]  # (B, Hkv, g, N)
+    return per_token.mean(2)
+
+
+def token_metrics(attention: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """metric_K = attention; metric_V = attention · range(V), both summed over KV heads.
+
+    attention (B, Hkv, N) float32, values (B, Hkv, N, D) -> metric_k, metric_v (B, N) float32.
+    """
+    vf = values.float()
+    value_range = vf.amax(-1) - vf.amin(-1)
+    return attention.sum(1), (attention * value_range).sum(1)
+
+
+def chunk_scores(token_scores: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    """Mean token score of each chunk: (B, C·G) -> (B, C)."""
+    b, n = token_scores.shape
+    if n % chunk_size:
+        raise ValueError(f"{n} tokens do not split into chunks of {chunk_size}")
+    return token_scores.reshape(b, n // chunk_size, chunk_size).mean(-1)

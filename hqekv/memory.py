@@ -1,0 +1,92 @@
+"""Honest memory accounting of an HqeKV cache (SPEC §1.1: real bytes, everything counted)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class MemoryReport:
+    """What a cache stores, in real bytes, against what an uncompressed cache would.
+
+    Parameters
+    ----------
+    bytes_by_part : dict[str, int]
+        Real bytes per part, summed over layers: ``k.fp16``, ``k.int4``, ... (codes and
+        metadata), ``tail``, ``tables``, ``window`` (queries kept for re-ranking), ``counters``.
+    dense_bytes : int
+        Bytes a ``DynamicCache`` in the model dtype holds for the same input (padding included).
+    fp16_bytes : int
+        Bytes of the real tokens' keys and values at 16 bits.
+    elements : int
+        Key and value elements of the real tokens seen (evicted ones included).
+    code_bits : int
+        Code bits the paper counts for them (FP16 chunks and the tail 16, evicted 0).
+    chunks : dict[str, int]
+        Kept chunks per component and tier, evicted chunks, tail tokens, real tokens.
+    """
+
+    bytes_by_part: dict[str, int] = field(default_factory=dict)
+    dense_bytes: int = 0
+    fp16_bytes: int = 0
+    elements: int = 0
+    code_bits: int = 0
+    chunks: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.bytes_by_part.values())
+
+    @property
+    def bavg(self) -> float:
+        """Average code bits per element achieved (the paper's bavg)."""
+        return self.code_bits / self.elements if self.elements else 0.0
+
+    @property
+    def effective_bits(self) -> float:
+        """Real stored bits per element: everything stored, metadata and bookkeeping included."""
+        return 8 * self.total_bytes / self.elements if self.elements else 0.0
+
+    @property
+    def ratio_to_dense(self) -> float:
+        return self.total_bytes / self.dense_bytes if self.dense_bytes else 0.0
+
+    @property
+    def ratio_to_fp16(self) -> float:
+        return self.total_bytes / self.fp16_bytes if self.fp16_bytes else 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            "total_bytes": self.total_bytes,
+            "bytes_by_part": dict(self.bytes_by_part),
+            "dense_bytes": self.dense_bytes,
+            "fp16_bytes": self.fp16_bytes,
+            "ratio_to_dense": self.ratio_to_dense,
+            "ratio_to_fp16": self.ratio_to_fp16,
+            "elements": self.elements,
+            "bavg": self.bavg,
+            "effective_bits": self.effective_bits,
+            "chunks": dict(self.chunks),
+        }
+
+    def __str__(self) -> str:
+        mib = 2**20
+        lines = [
+            f"HqeKV cache: {self.total_bytes / mib:.2f} MiB stored "
+            f"({self.ratio_to_fp16:.1%} of FP16 {self.fp16_bytes / mib:.2f} MiB; "
+            f"{self.ratio_to_dense:.1%} of the dense cache {self.dense_bytes / mib:.2f} MiB)",
+            f"  bavg {self.bavg:.3f} code bits/element, effective {self.effective_bits:.3f} bits/element",
+        ]
+        for part, n in sorted(self.bytes_by_part.items()):
+            if n:
+                lines.append(f"  {part:<10} {n / mib:9.3f} MiB")
+        c = self.chunks
+        if c:
+            lines.append(
+                "  chunks K: "
+                + " ".join(f"{t}={c.get('k.' + t, 0)}" for t in ("fp16", "int4", "int2", "int1"))
+                + " | V: "
+                + " ".join(f"{t}={c.get('v.' + t, 0)}" for t in ("fp16", "int4", "int2", "int1"))
+                + f" | evicted={c.get('evicted', 0)} tail tokens={c.get('tail_tokens', 0)}"
+            )
+        return "\n".join(lines)

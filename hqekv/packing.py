@@ -1,0 +1,63 @@
+"""Dense bit-packing of integer codes into int32 words (SPEC §1.1).
+
+Codes are packed LSB first: word ``w`` holds codes ``w*k .. w*k+k-1`` with ``k = 32 // bits``,
+code ``i`` of a word in bits ``[i*bits, (i+1)*bits)``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+SUPPORTED_BITS = (1, 2, 4, 8)
+
+
+def _check_bits(bits: int) -> None:
+    if bits not in SUPPORTED_BITS:
+        raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {bits!r}")
+
+
+def packed_words(n: int, bits: int) -> int:
+    """Number of int32 words holding ``n`` codes of ``bits`` bits."""
+    _check_bits(bits)
+    per_word = 32 // bits
+    return (n + per_word - 1) // per_word
+
+
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack codes along the last axis.
+
+    codes (..., n) integer in [0, 2**bits) -> words (..., ceil(n*bits/32)) int32.
+    """
+    _check_bits(bits)
+    per_word = 32 // bits
+    n = codes.shape[-1]
+    n_words = packed_words(n, bits)
+    pad = n_words * per_word - n
+    c = codes.to(torch.int64)
+    if pad:
+        c = torch.nn.functional.pad(c, (0, pad))
+    c = c.reshape(*codes.shape[:-1], n_words, per_word)
+    shifts = torch.arange(per_word, device=codes.device, dtype=torch.int64) * bits
+    words = (c << shifts).sum(dim=-1)  # < 2**32, fits int64
+    # Reinterpret the unsigned 32-bit pattern as two's-complement int32.
+    words = torch.where(words >= 2**31, words - 2**32, words)
+    return words.to(torch.int32)
+
+
+def unpack_codes(words: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    """Inverse of :func:`pack_codes`.
+
+    words (..., ceil(n*bits/32)) int32 -> codes (..., n) uint8.
+    """
+    _check_bits(bits)
+    per_word = 32 // bits
+    if words.shape[-1] != packed_words(n, bits):
+        raise ValueError(
+            f"{words.shape[-1]} words cannot hold exactly {n} codes of {bits} bits "
+            f"(expected {packed_words(n, bits)} words)"
+        )
+    w = words.to(torch.int64) & 0xFFFFFFFF
+    shifts = torch.arange(per_word, device=words.device, dtype=torch.int64) * bits
+    codes = (w.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
+    codes = codes.reshape(*words.shape[:-1], words.shape[-1] * per_word)[..., :n]
+    return codes.to(torch.uint8)

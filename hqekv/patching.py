@@ -1,0 +1,284 @@
+"""``patch_model`` / ``unpatch_model``: plug the HqeKV cache into a Hugging Face causal LM."""
+
+from __future__ import annotations
+
+import inspect
+import types
+import warnings
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .cache import HqeKVCache
+from .config import FP16_RATIOS, HqeKVConfig, TierRatios, check_bavg, uncalibrated_ratios
+from .memory import MemoryReport
+from .patches import patch_for
+
+DEFAULT_BAVG = 3.2
+_RECORD = "_hqekv_patch"
+
+
+class UncalibratedRatiosWarning(UserWarning):
+    """No calibrated ratios exist for this model and bavg; the documented fallback is used."""
+
+
+@dataclass
+class _PatchRecord:
+    """What patching replaced, to restore it exactly, plus a weak handle for reporting."""
+
+    config: HqeKVConfig
+    saved: list[tuple[Any, str, bool, Any]] = field(default_factory=list)  # (obj, attr, had_own, previous)
+    current: HqeKVCache | None = None  # strong ref only while a generate call runs
+    last_cache: Any = None  # weakref to the last cache used
+    last_report: MemoryReport | None = None
+
+    def replace(self, obj, attr: str, value) -> None:
+        had_own = attr in obj.__dict__
+        self.saved.append((obj, attr, had_own, obj.__dict__.get(attr)))
+        setattr(obj, attr, value)
+
+    def restore(self) -> None:
+        for obj, attr, had_own, previous in reversed(self.saved):
+            if had_own:
+                setattr(obj, attr, previous)
+            else:
+                obj.__dict__.pop(attr, None)
+        self.saved.clear()
+
+
+def _check_causal_lm(model) -> None:
+    from transformers import GenerationMixin, PreTrainedModel
+
+    if not isinstance(model, PreTrainedModel) or not isinstance(model, GenerationMixin):
+        raise TypeError(
+            "patch_model needs a Hugging Face causal language model (e.g. from AutoModelForCausalLM), "
+            f"got {type(model).__name__}"
+        )
+    if getattr(model.config, "is_encoder_decoder", False):
+        raise TypeError(f"patch_model supports decoder-only causal LMs, got encoder-decoder {type(model).__name__}")
+
+
+def resolve_config(model, bavg=None, ratios=None, **settings) -> HqeKVConfig:
+    """Ratios in order: explicit ``ratios``, else the documented uncalibrated fallback (warned)."""
+    if bavg is not None:
+        bavg = check_bavg(bavg)
+    if ratios is not None:
+        ratios = TierRatios.coerce(ratios)
+        if bavg is None:
+            bavg = ratios.bavg
+        source = "explicit"
+    else:
+        bavg = DEFAULT_BAVG if bavg is None else bavg
+        ratios = uncalibrated_ratios(bavg)
+        source = "uncalibrated"
+        name = getattr(model.config, "_name_or_path", "") or model.config.model_type
+        warnings.warn(
+            f"hqekv: no calibrated ratios for {name!r} at bavg={bavg:g}; using the uncalibrated fallback "
+            f"({ratios.describe()}). Pass ratios=... or calibrate for best quality.",
+            UncalibratedRatiosWarning,
+            stacklevel=3,
+        )
+    return HqeKVConfig(ratios=ratios, bavg=bavg, ratios_source=source, **settings)
+
+
+def _decoder(model) -> torch.nn.Module:
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    if decoder is None or decoder is model:
+        raise TypeError(f"cannot find the decoder of {type(model).__name__}")
+    return decoder
+
+
+def _input_valid(attention_mask, n_new: int) -> torch.Tensor | None:
+    """Padding mask (B, S) bool of the new tokens from a 2-D ``attention_mask``, or None."""
+    if attention_mask is None:
+        return None
+    if attention_mask.dim() != 2:
+        raise NotImplementedError(
+            "hqekv takes a 2-D attention_mask (batch, length) marking padding with 0; "
+            f"got a {attention_mask.dim()}-D mask"
+        )
+    if attention_mask.shape[1] < n_new:
+        raise ValueError(f"attention_mask covers {attention_mask.shape[1]} tokens but the input has {n_new}")
+    return attention_mask[:, -n_new:].bool()
+
+
+def new_cache(model) -> HqeKVCache:
+    """A fresh HqeKV cache for a patched model."""
+    record = getattr(model, _RECORD, None)
+    if record is None:
+        raise ValueError("this model is not patched; call hqekv.patch_model(model) first")
+    return HqeKVCache(record.config, model.config.get_text_config().num_hidden_layers)
+
+
+def patch_model(
+    model,
+    bavg: float | None = None,
+    *,
+    ratios: TierRatios | tuple | dict | None = None,
+    chunk_size: int = 32,
+    window: int = 20,
+    rerank_interval: int = 32,
+    protected_chunks: int = 2,
+    eviction: str = "joint",
+    value_group: int = 32,
+    metadata_dtype: str | None = None,
+):
+    """Make ``model`` keep its KV cache with HqeKV, in place; returns ``model``.
+
+    Parameters
+    ----------
+    model : transformers causal LM (Llama family)
+    bavg : float, default 3.2
+        Average code bits per element, in (0, 16]. 3.2 is near-lossless in the paper, 2.0 aggressive.
+    ratios : TierRatios, dict, (d4, d2, d1, d_evict) or (fp16, d4, d2, d1, d_evict), optional
+        Tier shares; if given with ``bavg`` they must satisfy SPEC eq. (6).
+    chunk_size, window, rerank_interval, protected_chunks, eviction, value_group, metadata_dtype
+        See :class:`hqekv.HqeKVConfig`.
+
+    After patching, ``generate``, ``model(...)`` and pipelines use a new :class:`HqeKVCache`
+    per request. ``unpatch_model`` restores the model exactly.
+    """
+    _check_causal_lm(model)
+    if hasattr(model, _RECORD):
+        raise ValueError("model is already patched by hqekv; call hqekv.unpatch_model(model) first")
+    text_config = model.config.get_text_config()
+    arch = patch_for(text_config.model_type)
+    config = resolve_config(
+        model,
+        bavg,
+        ratios,
+        chunk_size=chunk_size,
+        window=window,
+        rerank_interval=rerank_interval,
+        protected_chunks=protected_chunks,
+        eviction=eviction,
+        value_group=value_group,
+        metadata_dtype=metadata_dtype,
+    )
+    head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
+    if head_dim % min(config.value_group, head_dim):
+        raise ValueError(f"head dim {head_dim} is not a multiple of value_group {config.value_group}")
+
+    record = _PatchRecord(config)
+    decoder = _decoder(model)
+    try:
+        n_patched = 0
+        for module in model.modules():
+            if isinstance(module, arch.attention_classes):
+                record.replace(module, "forward", types.MethodType(arch.forward, module))
+                n_patched += 1
+        if n_patched == 0:
+            raise ValueError(f"found no attention modules of {arch.attention_classes} in {type(model).__name__}")
+        record.replace(decoder, "forward", _wrap_decoder_forward(model, decoder.forward))
+        record.replace(model, "_prepare_cache_for_generation", _wrap_prepare_cache(model))
+        record.replace(model, "generate", _wrap_generate(model, model.generate))
+    except BaseException:
+        record.restore()
+        raise
+    setattr(model, _RECORD, record)
+    return model
+
+
+def unpatch_model(model):
+    """Undo :func:`patch_model`: the model behaves exactly as before. Returns ``model``."""
+    record = getattr(model, _RECORD, None)
+    if record is None:
+        raise ValueError("model is not patched by hqekv")
+    record.restore()
+    delattr(model, _RECORD)
+    return model
+
+
+def is_patched(model) -> bool:
+    return hasattr(model, _RECORD)
+
+
+def _wrap_decoder_forward(model, original):
+    positional = [
+        name
+        for name, p in inspect.signature(original).parameters.items()
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+    record_ref = lambda: getattr(model, _RECORD, None)  # noqa: E731
+
+    def forward(*args, **kwargs):
+        if "past_key_values" in kwargs and kwargs.get("cache") is None:
+            kwargs["cache"] = kwargs.pop("past_key_values")
+        if len(args) > len(positional):
+            raise TypeError(f"{type(model).__name__} decoder takes at most {len(positional)} positional arguments")
+        arguments = {**dict(zip(positional, args)), **kwargs}
+        cache = arguments.get("cache")
+        use_cache = arguments.get("use_cache")
+        if use_cache is None:
+            use_cache = model.config.get_text_config().use_cache
+        if cache is None and use_cache:
+            cache = new_cache(model)
+            arguments["cache"] = cache
+        if isinstance(cache, HqeKVCache):
+            inputs = arguments.get("input_ids")
+            if inputs is None:
+                inputs = arguments.get("inputs_embeds")
+            if inputs is None:
+                raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+            n_new = inputs.shape[1]
+            if n_new == 0:
+                raise ValueError("empty input: the prompt has no tokens")
+            valid = _input_valid(arguments.get("attention_mask"), n_new)
+            if valid is not None and cache.get_seq_length() == 0:
+                empty_rows = (~valid.any(1)).nonzero().flatten().tolist()
+                if empty_rows:
+                    raise ValueError(f"batch rows {empty_rows} are all padding: each prompt needs a real token")
+            cache.input_valid = valid
+            record = record_ref()
+            if record is not None:
+                record.last_cache = weakref.ref(cache)
+        return original(**arguments)
+
+    return forward
+
+
+def _wrap_prepare_cache(model):
+    original = type(model)._prepare_cache_for_generation
+
+    def prepare(generation_config, model_kwargs, *args, **kwargs):
+        user_cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
+        if user_cache is None and generation_config.use_cache is not False:
+            cache = new_cache(model)
+            model_kwargs["cache"] = cache
+            getattr(model, _RECORD).current = cache
+            return
+        return original(model, generation_config, model_kwargs, *args, **kwargs)
+
+    return prepare
+
+
+def _wrap_generate(model, original):
+    def generate(*args, **kwargs):
+        record = getattr(model, _RECORD)
+        try:
+            return original(*args, **kwargs)
+        finally:
+            cache = record.current or (record.last_cache() if record.last_cache else None)
+            if cache is not None:
+                record.last_report = cache.memory_report()
+            record.current = None
+
+    generate.__doc__ = original.__doc__
+    return generate
+
+
+def memory_report(model_or_cache) -> MemoryReport:
+    """Real bytes of an HqeKV cache: of a cache, or of the last one a patched model used."""
+    if isinstance(model_or_cache, HqeKVCache):
+        return model_or_cache.memory_report()
+    record = getattr(model_or_cache, _RECORD, None)
+    if record is None:
+        raise ValueError("memory_report needs an HqeKVCache or a model patched with hqekv.patch_model")
+    cache = record.last_cache() if record.last_cache is not None else None
+    if cache is not None:
+        return cache.memory_report()
+    if record.last_report is not None:
+        return record.last_report
+    raise ValueError("this patched model has not run with a cache yet: nothing to report")

@@ -1,0 +1,122 @@
+"""Ratios -> tier counts -> K and V tier of every chunk (paper §3.3, SPEC §1.3)."""
+
+from __future__ import annotations
+
+import torch
+
+from .config import TierRatios
+
+FP16, INT4, INT2, INT1, EVICTED = 0, 1, 2, 3, 4
+TIER_NAMES = ("fp16", "int4", "int2", "int1", "evicted")
+TIER_CODE_BITS = (16, 4, 2, 1, 0)
+"""Code bits per element of each tier as the paper counts them (FP16 counts 16)."""
+
+
+def tier_counts(n_chunks: torch.Tensor, ratios: TierRatios) -> torch.Tensor:
+    """Chunks per tier for ``n_chunks`` rankable chunks.
+
+    n_chunks (B,) int -> counts (B, 5) int64 in tier order (fp16, int4, int2, int1, evicted),
+    summing to ``n_chunks``. Each count is ``round(n·δ)`` and the 1-bit tier takes the
+    leftover; when rounding overshoots, the tiers that were rounded up the most give one
+    chunk back, so no count goes below 0 or moves more than one chunk from ``n·δ``.
+    """
+    n = n_chunks.to(torch.float64).clamp(min=0)
+    shares = torch.tensor(ratios.as_tuple(), dtype=torch.float64, device=n_chunks.device)
+    exact = n[:, None] * shares[None, :]
+    counts = torch.round(exact)
+    counts[:, INT1] = 0
+    excess = counts.sum(1) - n  # > 0 when rounding overshot
+    overshoot = counts - exact
+    overshoot[:, INT1] = -float("inf")
+    order = overshoot.argsort(dim=1, descending=True, stable=True)
+    # Give back one chunk from each of the `excess` most over-rounded tiers.
+    give = (torch.arange(5, device=n.device)[None, :] < excess[:, None]).to(torch.float64)
+    counts = counts.scatter_add(1, order, -give)
+    counts[:, INT1] = n - counts.sum(1)
+    return counts.to(torch.int64)
+
+
+def descending_rank(scores: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Rank of each chunk by score, 0 = most important; invalid entries rank last.
+
+    scores (B, C) float, valid (B, C) bool -> rank (B, C) int64.
+    """
+    s = scores.masked_fill(~valid, -float("inf"))
+    order = s.argsort(dim=1, descending=True, stable=True)
+    ranks = torch.empty_like(order)
+    ranks.scatter_(1, order, torch.arange(s.shape[1], device=s.device).expand_as(order))
+    return ranks
+
+
+def assign_tiers(
+    score_k: torch.Tensor,
+    score_v: torch.Tensor,
+    valid: torch.Tensor,
+    ratios: TierRatios,
+    n_logical: torch.Tensor | None = None,
+    n_evicted: torch.Tensor | None = None,
+    protected: int = 2,
+    eviction: str = "joint",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tier of each chunk for K and for V; one evicted set shared by both.
+
+    score_k, score_v (B, C) float: chunk importance under metric_K, metric_V.
+    valid (B, C) bool: which entries are chunks.
+    n_logical (B,) int: chunks seen by each sequence, evicted ones included (default: valid count);
+        ratios apply to ``n_logical - protected`` of them.
+    n_evicted (B,) int: chunks already evicted, counted against the eviction share.
+    -> k_tier, v_tier (B, C) int64 in {FP16, INT4, INT2, INT1, EVICTED}; EVICTED at the same
+       places in both; invalid entries are EVICTED.
+
+    fix (K/V consistency): a chunk is evicted when it ranks low under both metrics
+    (``eviction="joint"``: lowest ``max`` of its two percentiles, i.e. highest ``min`` of its
+    two ranks); the top ``protected`` chunks under either metric are never evicted and are
+    FP16 in their component. Kept chunks take K tiers in metric_K order and V tiers in
+    metric_V order, with the same counts.
+    """
+    n_valid = valid.sum(1)
+    if n_logical is None:
+        n_logical = n_valid
+    if n_evicted is None:
+        n_evicted = torch.zeros_like(n_valid)
+    rank_k = descending_rank(score_k, valid)
+    rank_v = descending_rank(score_v, valid)
+
+    counts = tier_counts((n_logical - protected).clamp(min=0), ratios)
+    is_protected = valid & ((rank_k < protected) | (rank_v < protected))
+
+    # --- one evicted set -----------------------------------------------------------------
+    if eviction == "joint":
+        evict_key = torch.minimum(rank_k, rank_v)
+    elif eviction == "key":
+        evict_key = rank_k
+    elif eviction == "value":
+        evict_key = rank_v
+    else:
+        raise ValueError(f"eviction must be 'joint', 'key' or 'value', got {eviction!r}")
+    candidate = valid & ~is_protected
+    evict_key = evict_key.masked_fill(~candidate, -1)
+    # Higher key = less important; stable sort keeps the older chunk first among ties.
+    evict_rank = descending_rank(evict_key.to(torch.float64), candidate)
+    n_evict = (counts[:, EVICTED] - n_evicted).clamp(min=0)
+    n_evict = torch.minimum(n_evict, candidate.sum(1))
+    evicted = candidate & (evict_rank < n_evict[:, None])
+    kept = valid & ~evicted
+
+    # --- tiers of the kept chunks, per metric ----------------------------------------------
+    # Cumulative boundaries in kept-rank space: protected FP16, then fp16, int4, int2 counts.
+    bounds = torch.stack(
+        [
+            protected + counts[:, FP16],
+            protected + counts[:, FP16] + counts[:, INT4],
+            protected + counts[:, FP16] + counts[:, INT4] + counts[:, INT2],
+        ],
+        dim=1,
+    )  # (B, 3)
+
+    def tiers_for(scores: torch.Tensor) -> torch.Tensor:
+        kept_rank = descending_rank(scores, kept)  # (B, C)
+        tier = (kept_rank[:, :, None] >= bounds[:, None, :]).sum(-1)  # 0..3
+        return tier.masked_fill(~kept, EVICTED)
+
+    return tiers_for(score_k), tiers_for(score_v)

@@ -1,0 +1,144 @@
+"""Group quantizers of HqeKV (SPEC §1.1), pure PyTorch.
+
+Every function quantizes groups laid along the **last** axis: ``x (..., n)`` holds
+``prod(...)`` groups of ``n`` elements, each with its own metadata pair. The layout
+helpers at the bottom turn a chunk of keys or values into that shape:
+
+- keys: per-channel groups over the G tokens of a chunk,
+- values: per-token groups of ``group`` channels.
+
+Codes are computed from the metadata *as stored* (rounded to the metadata dtype), so
+dequantization reproduces exactly what the encoder assumed.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+EPS = 1e-6
+"""Guard on scale / std (fix: a constant group must round-trip, never NaN)."""
+
+UNIFORM = "uniform"
+NORMALIZED = "normalized"
+
+
+def quantize_uniform(
+    x: torch.Tensor, bits: int, meta_dtype: torch.dtype | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Uniform asymmetric quantization of each group on the last axis.
+
+    x (..., n) float -> codes (..., n) uint8 in [0, 2**bits), scale (...,), zero (...,) meta_dtype.
+    ``zero = min``, ``scale = (max - min) / (2**bits - 1)``, ``code = round((x - zero) / scale)``.
+    """
+    meta_dtype = meta_dtype or x.dtype
+    xf = x.float()
+    lo = xf.amin(dim=-1)
+    hi = xf.amax(dim=-1)
+    levels = 2**bits - 1
+    zero = lo.to(meta_dtype)
+    scale = ((hi - lo) / levels).to(meta_dtype)
+    # fix: divide by a guarded scale; a constant group stores scale 0 and decodes to `zero` exactly.
+    denom = scale.float().clamp(min=EPS)
+    codes = torch.round((xf - zero.float().unsqueeze(-1)) / denom.unsqueeze(-1))
+    codes = codes.clamp_(0, levels).to(torch.uint8)
+    return codes, scale, zero
+
+
+def dequantize_uniform(
+    codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """codes (..., n) uint8, scale (...,), zero (...,) -> x̂ (..., n) dtype."""
+    x = codes.float() * scale.float().unsqueeze(-1) + zero.float().unsqueeze(-1)
+    return x.to(dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _normal_tables(bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Standard-normal bin boundaries Φ⁻¹(i/2^b), i=1..2^b-1, and centres Φ⁻¹((i+½)/2^b)."""
+    n = 2**bits
+    i = torch.arange(n, dtype=torch.float64)
+    boundaries = torch.special.ndtri(i[1:] / n).float()
+    centres = torch.special.ndtri((i + 0.5) / n).float()
+    return boundaries, centres
+
+
+def normal_tables(bits: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """(boundaries (2**bits - 1,), centres (2**bits,)) float32 on ``device``."""
+    boundaries, centres = _normal_tables(bits)
+    return boundaries.to(device), centres.to(device)
+
+
+def quantize_normalized(
+    x: torch.Tensor, bits: int, meta_dtype: torch.dtype | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Normalized (Gaussian) quantization of each group on the last axis.
+
+    x (..., n) float -> codes (..., n) uint8, std (...,), mean (...,) meta_dtype.
+    ``z = (x - mean) / std`` is binned at standard-normal quantiles.
+    """
+    meta_dtype = meta_dtype or x.dtype
+    xf = x.float()
+    mean_f = xf.mean(dim=-1, keepdim=True)
+    mean = mean_f.squeeze(-1).to(meta_dtype)
+    std = (xf - mean_f).square().mean(dim=-1).sqrt().to(meta_dtype)
+    # fix: guarded std; a constant group stores std 0 and decodes to `mean` exactly.
+    denom = std.float().clamp(min=EPS)
+    z = (xf - mean.float().unsqueeze(-1)) / denom.unsqueeze(-1)
+    boundaries, _ = normal_tables(bits, x.device)
+    codes = torch.bucketize(z.contiguous(), boundaries, right=True).to(torch.uint8)
+    return codes, std, mean
+
+
+def dequantize_normalized(
+    codes: torch.Tensor, std: torch.Tensor, mean: torch.Tensor, bits: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """codes (..., n) uint8, std (...,), mean (...,) -> x̂ (..., n) dtype."""
+    _, centres = normal_tables(bits, codes.device)
+    x = centres[codes.long()] * std.float().unsqueeze(-1) + mean.float().unsqueeze(-1)
+    return x.to(dtype)
+
+
+def quantize(x: torch.Tensor, bits: int, method: str, meta_dtype: torch.dtype | None = None):
+    """Dispatch to :func:`quantize_uniform` or :func:`quantize_normalized`."""
+    if method == UNIFORM:
+        return quantize_uniform(x, bits, meta_dtype)
+    if method == NORMALIZED:
+        return quantize_normalized(x, bits, meta_dtype)
+    raise ValueError(f"unknown quantization method {method!r}; expected {UNIFORM!r} or {NORMALIZED!r}")
+
+
+def dequantize(codes, meta0, meta1, bits: int, method: str, dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of :func:`quantize` (metadata in the order it returned them)."""
+    if method == UNIFORM:
+        return dequantize_uniform(codes, meta0, meta1, dtype)
+    if method == NORMALIZED:
+        return dequantize_normalized(codes, meta0, meta1, bits, dtype)
+    raise ValueError(f"unknown quantization method {method!r}; expected {UNIFORM!r} or {NORMALIZED!r}")
+
+
+# --- layouts: chunks (N, H, G, D) <-> groups on the last axis ---------------------------
+
+
+def key_groups(chunks: torch.Tensor) -> torch.Tensor:
+    """Keys are grouped per channel over the chunk's tokens: (N, H, G, D) -> (N, H, D, G)."""
+    return chunks.transpose(-1, -2)
+
+
+def key_chunks(groups: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`key_groups`: (N, H, D, G) -> (N, H, G, D)."""
+    return groups.transpose(-1, -2)
+
+
+def value_groups(chunks: torch.Tensor, group: int) -> torch.Tensor:
+    """Values are grouped per token over ``group`` channels: (N, H, G, D) -> (N, H, G, D//group, group)."""
+    *lead, d = chunks.shape
+    if d % group:
+        raise ValueError(f"head dim {d} is not a multiple of the value channel group {group}")
+    return chunks.reshape(*lead, d // group, group)
+
+
+def value_chunks(groups: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`value_groups`: (N, H, G, D//group, group) -> (N, H, G, D)."""
+    return groups.flatten(-2)

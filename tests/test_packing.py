@@ -1,0 +1,39 @@
+import pytest
+import torch
+
+from hqekv.packing import pack_codes, packed_words, unpack_codes
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+@pytest.mark.parametrize("shape", [(32,), (3, 32), (2, 5, 7), (1, 33), (4, 1), (2, 3, 64)])
+def test_round_trip_every_width_and_odd_shapes(bits, shape):
+    g = torch.Generator().manual_seed(bits * 100 + len(shape))
+    codes = torch.randint(0, 2**bits, shape, generator=g, dtype=torch.uint8)
+    words = pack_codes(codes, bits)
+    assert words.dtype == torch.int32
+    assert words.shape == (*shape[:-1], packed_words(shape[-1], bits))
+    assert torch.equal(unpack_codes(words, bits, shape[-1]), codes)
+
+
+def test_lsb_first_layout_by_hand():
+    # 2-bit codes 1, 2, 3, 0, ... -> word bits: c0 at bits 0-1, c1 at 2-3, ...
+    codes = torch.tensor([1, 2, 3, 0] + [0] * 12, dtype=torch.uint8)
+    assert pack_codes(codes, 2).tolist() == [1 | (2 << 2) | (3 << 4)]
+    # Top bit set: the word is the int32 two's complement of 0x80000000.
+    codes = torch.zeros(32, dtype=torch.uint8)
+    codes[31] = 1
+    assert pack_codes(codes, 1).tolist() == [-(2**31)]
+    all_ones = torch.full((8,), 15, dtype=torch.uint8)
+    assert pack_codes(all_ones, 4).tolist() == [-1]
+
+
+def test_dense_size():
+    assert packed_words(32, 4) == 4 and packed_words(32, 2) == 2 and packed_words(32, 1) == 1
+    assert packed_words(33, 1) == 2
+
+
+def test_bad_bits_and_word_count():
+    with pytest.raises(ValueError, match="bits"):
+        pack_codes(torch.zeros(4, dtype=torch.uint8), 3)
+    with pytest.raises(ValueError, match="words"):
+        unpack_codes(torch.zeros(3, dtype=torch.int32), 4, 8)
