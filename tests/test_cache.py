@@ -1,0 +1,269 @@
+"""The HqeKV cache through a patched tiny random Llama: mechanics, decode, batching, errors."""
+
+import warnings
+
+import pytest
+import torch
+
+import hqekv
+from hqekv.policy import EVICTED, FP16
+from tests.conftest import tiny_llama
+
+MIXED = hqekv.TierRatios(int4=0.3, int2=0.3, int1=0.2, evict=0.2)
+
+
+def greedy(model, ids, n, **kw):
+    with torch.no_grad():
+        return model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, **kw)
+
+
+def prompt(n, seed=0, batch=1):
+    return torch.randint(1, 128, (batch, n), generator=torch.Generator().manual_seed(seed))
+
+
+def test_fp16_ratios_reproduce_unpatched_and_unpatch_is_exact(tiny):
+    ids = prompt(150)
+    ref = greedy(tiny, ids, 70)
+    with torch.no_grad():
+        logits_before = tiny(ids).logits
+    hqekv.patch_model(tiny, ratios=hqekv.FP16_RATIOS, value_group=16)
+    assert torch.equal(greedy(tiny, ids, 70), ref)
+    hqekv.unpatch_model(tiny)
+    assert not hqekv.is_patched(tiny)
+    with torch.no_grad():
+        assert torch.equal(tiny(ids).logits, logits_before)
+    assert "forward" not in tiny.model.__dict__ and "generate" not in tiny.__dict__
+
+
+def _watch_reranks(cache):
+    """Record (chunk_pos, k_tier, v_tier) before and after every re-rank of every layer."""
+    history = []
+    for layer in cache.layers:
+        original = layer.rerank
+
+        def rerank(rows, layer=layer, original=original):
+            before = (layer.chunk_pos.clone(), layer.k_tier.clone(), layer.v_tier.clone())
+            original(rows)
+            history.append((before, (layer.chunk_pos.clone(), layer.k_tier.clone(), layer.v_tier.clone())))
+
+        layer.rerank = rerank
+    return history
+
+
+def _tier_map(pos, kt, vt):
+    return {
+        (b, int(p)): (int(k), int(v))
+        for b in range(pos.shape[0])
+        for p, k, v in zip(pos[b], kt[b], vt[b])
+        if p >= 0
+    }
+
+
+def test_decode_reranks_only_move_down_and_lengths(tiny):
+    hqekv.patch_model(tiny, ratios=MIXED, value_group=16)
+    ids = prompt(100)
+    cache = hqekv.new_cache(tiny)
+    history = _watch_reranks(cache)
+    n_new = 220
+    with torch.no_grad():
+        out = tiny.generate(ids, cache=cache, max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False)
+    n_tokens = ids.shape[1] + n_new - 1  # the last generated token is never fed back
+    assert out.shape[1] == ids.shape[1] + n_new
+    assert cache.get_seq_length() == n_tokens
+    reranks_per_layer = len(history) // len(cache.layers)
+    assert reranks_per_layer >= 1 + n_new // 32 - 1  # prefill + one per 32 generated tokens
+    moved_down = 0
+    for before, after in history:
+        old, new = _tier_map(*before), _tier_map(*after)
+        assert set(new) <= set(old)  # nothing comes back from eviction, no new chunks at re-rank
+        for key, (k, v) in new.items():
+            assert k >= old[key][0] and v >= old[key][1]
+            moved_down += (k > old[key][0]) + (v > old[key][1])
+    assert moved_down > 0
+    for layer in cache.layers:
+        kept = int((layer.chunk_pos >= 0).sum())
+        assert int(layer.n_chunks) * 32 + int(layer.tail_len) == n_tokens
+        assert int(layer.n_evicted) > 0
+        assert kept + int(layer.n_evicted) == int(layer.n_chunks)
+        k_phys, _, _, valid = layer.physical_cache()
+        assert int(valid.sum()) == kept * 32 + int(layer.tail_len)  # physical = kept tokens
+        assert k_phys.shape[2] == kept * 32 + 32
+        # every tier and the protected FP16 chunks are present
+        assert (layer.k_tier == EVICTED).sum() == 0
+        assert int((layer.k_tier == FP16).sum()) >= 1
+
+
+def test_memory_report_counts_every_stored_byte(tiny):
+    hqekv.patch_model(tiny, ratios=MIXED, value_group=16)
+    with torch.no_grad():
+        out = tiny.generate(prompt(300), max_new_tokens=5, do_sample=False, return_dict_in_generate=True)
+    cache = out.cache
+    report = hqekv.memory_report(cache)
+    stored = 0
+    for layer in cache.layers:
+        for value in vars(layer).values():
+            if isinstance(value, torch.Tensor):
+                stored += value.nbytes
+            elif isinstance(value, dict):
+                stored += sum(t.nbytes for pool in value.values() for t in pool.tensors())
+    assert report.total_bytes == stored
+    assert hqekv.memory_report(tiny).total_bytes == stored  # the model reports its last cache
+    assert 0 < report.ratio_to_fp16 < 1 and report.effective_bits > report.bavg > 0
+    assert report.chunks["evicted"] > 0
+    assert "MiB" in str(report)
+
+
+def test_memory_report_after_plain_generate(tiny):
+    hqekv.patch_model(tiny, ratios=MIXED, value_group=16)
+    with pytest.raises(ValueError, match="not run"):
+        hqekv.memory_report(tiny)
+    greedy(tiny, prompt(200), 3)
+    report = hqekv.memory_report(tiny)
+    assert report.chunks["real_tokens"] == 202
+
+
+def test_batch_left_padding_matches_single_rows():
+    model = tiny_llama(seed=1)
+    hqekv.patch_model(model, ratios=MIXED, value_group=16)
+    a, b = prompt(150, seed=1)[0], prompt(97, seed=2)[0]
+    singles = [greedy(model, x[None], 70)[0, x.numel() :] for x in (a, b)]
+    pad = a.numel() - b.numel()
+    ids = torch.stack([a, torch.cat([torch.zeros(pad, dtype=torch.long), b])])
+    mask = torch.ones_like(ids)
+    mask[1, :pad] = 0
+    batched = greedy(model, ids, 70, attention_mask=mask, pad_token_id=0)[:, ids.shape[1] :]
+    assert torch.equal(batched[0], singles[0])
+    assert torch.equal(batched[1], singles[1])
+
+
+def test_multi_token_calls_on_existing_cache(tiny):
+    """Chunked prefill: feeding a prompt in pieces uses the same cache machinery."""
+    hqekv.patch_model(tiny, ratios=hqekv.FP16_RATIOS, value_group=16)
+    ids = prompt(200)
+    with torch.no_grad():
+        full = tiny(ids).logits[:, -1]
+        out = tiny(ids[:, :90], use_cache=True)
+        cache = out.cache
+        assert isinstance(cache, hqekv.HqeKVCache) and cache.get_seq_length() == 90
+        out = tiny(ids[:, 90:170], cache=cache)
+        out = tiny(ids[:, 170:], cache=cache)
+    assert cache.get_seq_length() == 200
+    assert torch.allclose(out.logits[:, -1], full, atol=1e-4)
+    # a compressed cache scores a continuation too
+    hqekv.unpatch_model(tiny)
+    hqekv.patch_model(tiny, ratios=MIXED, value_group=16)
+    with torch.no_grad():
+        cache = tiny(ids[:, :150], use_cache=True).cache
+        cont = tiny(ids[:, 150:], cache=cache).logits
+    assert torch.isfinite(cont).all() and cache.get_seq_length() == 200
+
+
+def test_requests_do_not_share_state(tiny):
+    hqekv.patch_model(tiny, ratios=MIXED, value_group=16)
+    ids = prompt(120, seed=5)
+    first = greedy(tiny, ids, 40)
+    greedy(tiny, prompt(300, seed=6), 40)
+    assert torch.equal(greedy(tiny, ids, 40), first)
+
+
+def test_pipeline_uses_the_hqekv_cache(tiny):
+    from transformers import pipeline
+
+    hqekv.patch_model(tiny, ratios=MIXED, value_group=16)
+
+    seen = []
+    original = hqekv.HqeKVLayer.attend
+
+    def spy(self, *a, **k):
+        seen.append(self)
+        return original(self, *a, **k)
+
+    hqekv.HqeKVLayer.attend = spy
+    try:
+        pipe = pipeline("text-generation", model=tiny, tokenizer=_char_tokenizer(), device="cpu")
+        text = pipe("abcdefgh" * 20, max_new_tokens=5, do_sample=False)[0]["generated_text"]
+    finally:
+        hqekv.HqeKVLayer.attend = original
+    assert len(text) > 0 and len(seen) > 0
+
+
+def _char_tokenizer():
+    from transformers import PreTrainedTokenizerFast
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {chr(ord("a") + i): i + 3 for i in range(26)}
+    vocab.update({"<pad>": 0, "<s>": 1, "</s>": 2})
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", bos_token="<s>")
+
+
+def test_bad_inputs(tiny):
+    with pytest.raises(ValueError, match="bavg"):
+        hqekv.patch_model(tiny, bavg=0)
+    with pytest.raises(ValueError, match="bavg"):
+        hqekv.patch_model(tiny, bavg=17)
+    with pytest.raises(ValueError, match="bavg"):
+        hqekv.patch_model(tiny, bavg=float("nan"))
+    with pytest.raises(ValueError, match="sum to 1"):
+        hqekv.patch_model(tiny, ratios=(0.5, 0.2, 0.2, 0.2))
+    with pytest.raises(ValueError, match="eq. 6"):
+        hqekv.patch_model(tiny, bavg=3.2, ratios=(0.5, 0.5, 0.0, 0.0))
+    with pytest.raises(TypeError, match="causal language model"):
+        hqekv.patch_model(torch.nn.Linear(2, 2))
+    from transformers import BertConfig, BertModel
+
+    with pytest.raises(TypeError, match="causal language model"):
+        hqekv.patch_model(BertModel(BertConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=2, intermediate_size=32)))
+    assert not hqekv.is_patched(tiny)  # failed patches leave nothing behind
+
+
+def test_unsupported_architecture_names_supported_ones():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
+    with pytest.raises(ValueError, match="supported architectures: llama"):
+        hqekv.patch_model(model, ratios=MIXED)
+
+
+def test_runtime_errors(tiny):
+    hqekv.patch_model(tiny, ratios=MIXED, value_group=16)
+    with pytest.raises(ValueError, match="already patched"):
+        hqekv.patch_model(tiny, ratios=MIXED)
+    with pytest.raises(ValueError, match="empty"):
+        with torch.no_grad():
+            tiny(torch.zeros(1, 0, dtype=torch.long))
+    ids = prompt(40, batch=2)
+    mask = torch.ones_like(ids)
+    mask[1] = 0
+    with pytest.raises(ValueError, match="all padding"):
+        with torch.no_grad():
+            tiny(ids, attention_mask=mask)
+    from transformers import DynamicCache
+
+    with pytest.raises(TypeError, match="DynamicCache"):
+        with torch.no_grad():
+            tiny(ids, cache=DynamicCache())
+    # NaN activations: a clear error, not NaN codes
+    tiny.model.layers[0].self_attn.k_proj.weight.data[0, 0] = float("nan")
+    with pytest.raises(ValueError, match="non-finite"):
+        with torch.no_grad():
+            tiny(prompt(64))
+
+
+def test_uncalibrated_fallback_warns(tiny):
+    with pytest.warns(hqekv.UncalibratedRatiosWarning, match="uncalibrated fallback"):
+        hqekv.patch_model(tiny, bavg=2.0, value_group=16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        hqekv.unpatch_model(tiny)
+        hqekv.patch_model(tiny, ratios=MIXED, value_group=16)  # explicit ratios: silent
+
+
+def test_use_cache_false_is_plain_attention(tiny):
+    ids = prompt(70)
+    with torch.no_grad():
+        ref = tiny(ids, use_cache=False).logits
+    hqekv.patch_model(tiny, ratios=MIXED, value_group=16)
+    with torch.no_grad():
+        assert torch.equal(tiny(ids, use_cache=False).logits, ref)

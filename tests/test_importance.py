@@ -1,0 +1,53 @@
+import torch
+
+from hqekv.importance import chunk_scores, token_metrics, window_attention
+
+
+def _naive(q, qpos, qvalid, k, kpos, kvalid, scaling):
+    b, hq, m, d = q.shape
+    hkv, n = k.shape[1], k.shape[2]
+    g = hq // hkv
+    out = torch.zeros(b, hkv, n)
+    for bi in range(b):
+        for h in range(hkv):
+            acc = torch.zeros(g, n)
+            cnt = torch.zeros(n)
+            for qi in range(m):
+                if not qvalid[bi, qi]:
+                    continue
+                vis = kvalid[bi] & (kpos[bi] <= qpos[bi, qi])
+                cnt += vis.float()
+                for gi in range(g):
+                    logits = (k[bi, h] @ q[bi, h * g + gi, qi]) * scaling
+                    logits[~vis] = -float("inf")
+                    acc[gi] += torch.softmax(logits, -1).nan_to_num(0)
+            out[bi, h] = (acc / cnt.clamp(min=1)).mean(0)
+    return out
+
+
+def test_window_attention_matches_naive_loops_gqa_causal_padding():
+    gen = torch.Generator().manual_seed(0)
+    b, hq, hkv, m, n, d = 2, 6, 2, 5, 12, 8
+    q = torch.randn(b, hq, m, d, generator=gen)
+    k = torch.randn(b, hkv, n, d, generator=gen)
+    kpos = torch.arange(n).repeat(b, 1)
+    qpos = torch.arange(n - m, n).repeat(b, 1)
+    qpos[1] -= 3  # row 1: the window sits earlier, so the newest keys are in its causal future
+    kvalid = torch.ones(b, n, dtype=torch.bool)
+    kvalid[0, 2] = False
+    qvalid = torch.ones(b, m, dtype=torch.bool)
+    qvalid[1, 0] = False
+    got = window_attention(q, qpos, qvalid, k, kpos, kvalid, 0.3)
+    assert torch.allclose(got, _naive(q, qpos, qvalid, k, kpos, kvalid, 0.3), atol=1e-6)
+    assert got[0, :, 2].abs().max() == 0
+
+
+def test_metrics_and_chunk_scores():
+    attn = torch.tensor([[[0.5, 0.25, 0.25, 0.0]], [[0.1, 0.2, 0.3, 0.4]]]).reshape(1, 2, 4)
+    values = torch.zeros(1, 2, 4, 3)
+    values[0, 0, :, 0] = 2.0  # range 2 on head 0
+    values[0, 1, 1, 2] = -1.0  # range 1 on head 1, token 1 only
+    mk, mv = token_metrics(attn, values)
+    assert torch.allclose(mk, torch.tensor([[0.6, 0.45, 0.55, 0.4]]))
+    assert torch.allclose(mv, torch.tensor([[1.0, 0.7, 0.5, 0.0]]))
+    assert torch.allclose(chunk_scores(mk, 2), torch.tensor([[0.525, 0.475]]))
