@@ -256,10 +256,8 @@ class HqeKVLayer(CacheLayerMixin):
 
     def _mixed_attention(self, query, key, value, new_valid, scaling) -> torch.Tensor:
         """Reference attention over FP16 chunks, dequantized chunks, the tail and the new tokens."""
-        k_old, v_old, _, valid_old = self.physical_cache()
+        k_all, v_all, _, valid_old = self.physical_cache(key, value)
         b, s = new_valid.shape
-        k_all = torch.cat([k_old, key], dim=2)
-        v_all = torch.cat([v_old, value], dim=2)
         causal = torch.ones(s, s, dtype=torch.bool, device=key.device).tril()
         mask = torch.cat(
             [valid_old[:, None, :].expand(b, s, valid_old.shape[1]), causal[None] & new_valid[:, None, :]], dim=-1
@@ -271,33 +269,41 @@ class HqeKVLayer(CacheLayerMixin):
 
     # --- storage -------------------------------------------------------------------------------
 
-    def _dense_pool(self, component: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """All slots of one component, dequantized: (N_total, H, G, D) and tier offsets (4,)."""
-        fp, pools = (self.k_fp, self.k_q) if component == KEY else (self.v_fp, self.v_q)
-        group_len = self.config.chunk_size if component == KEY else self.value_group
-        parts = [fp] + [decode_chunks(pools[t], t, component, group_len, self.dtype) for t in QUANTIZED_TIERS]
-        sizes = torch.tensor([0] + [p.shape[0] for p in parts[:-1]], device=self.device)
-        return torch.cat(parts), sizes.cumsum(0)
+    def physical_cache(
+        self, new_keys: torch.Tensor | None = None, new_values: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The kept tokens, dequantized: chunks, then the tail, then ``new_*`` (B, H, S, D) if given.
 
-    def physical_cache(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The kept tokens, dequantized, chunks first then the tail.
-
-        -> keys, values (B, H, C·G + G, D) model dtype, positions (B, C·G + G) int64 (logical index
-        of each token within its sequence), valid (B, C·G + G) bool.
+        -> keys, values (B, H, C·G + G + S, D) model dtype, positions (B, C·G + G) int64 (index
+        of each cached token within its sequence), valid (B, C·G + G) bool. Each pool is
+        dequantized once and written straight into one buffer per component.
         """
         g = self.config.chunk_size
         b, c = self.chunk_pos.shape
+        h, d = self.num_kv_heads, self.head_dim
+        s = 0 if new_keys is None else new_keys.shape[2]
         chunk_valid = self.chunk_pos >= 0
         out = []
-        for component, tier, slot, tail in (
-            (KEY, self.k_tier, self.k_slot, self.tail_k),
-            (VALUE, self.v_tier, self.v_slot, self.tail_v),
+        for component, tier, slot, tail, new in (
+            (KEY, self.k_tier, self.k_slot, self.tail_k, new_keys),
+            (VALUE, self.v_tier, self.v_slot, self.tail_v, new_values),
         ):
-            dense, offsets = self._dense_pool(component)
-            index = torch.where(chunk_valid, offsets[tier.clamp(0, INT1)] + slot, 0)
-            chunks = dense[index]  # (B, C, H, G, D)
-            chunks = chunks.permute(0, 2, 1, 3, 4).reshape(b, self.num_kv_heads, c * g, self.head_dim)
-            out.append(torch.cat([chunks, tail], dim=2))
+            fp, pools = (self.k_fp, self.k_q) if component == KEY else (self.v_fp, self.v_q)
+            group_len = g if component == KEY else self.value_group
+            buffer = torch.empty(b, h, c * g + g + s, d, dtype=self.dtype, device=self.device)
+            chunks = buffer[:, :, : c * g].view(b, h, c, g, d)
+            for t in (FP16, *QUANTIZED_TIERS):
+                rows, cols = (chunk_valid & (tier == t)).nonzero(as_tuple=True)
+                if rows.numel() == 0:
+                    continue
+                pool = fp if t == FP16 else decode_chunks(pools[t], t, component, group_len, self.dtype)
+                chunks[rows, :, cols] = pool[slot[rows, cols]]
+            empty_rows, empty_cols = (~chunk_valid).nonzero(as_tuple=True)
+            chunks[empty_rows, :, empty_cols] = 0  # masked out, but never uninitialised memory
+            buffer[:, :, c * g : c * g + g] = tail
+            if s:
+                buffer[:, :, c * g + g :] = new
+            out.append(buffer)
         ar = torch.arange(g, device=self.device)
         positions = torch.cat(
             [(self.chunk_pos[:, :, None] * g + ar).reshape(b, c * g), self.n_chunks[:, None] * g + ar], dim=1

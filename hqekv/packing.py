@@ -56,8 +56,8 @@ def unpack_codes(words: torch.Tensor, bits: int, n: int) -> torch.Tensor:
             f"{words.shape[-1]} words cannot hold exactly {n} codes of {bits} bits "
             f"(expected {packed_words(n, bits)} words)"
         )
-    w = words.to(torch.int64) & 0xFFFFFFFF
-    shifts = torch.arange(per_word, device=words.device, dtype=torch.int64) * bits
-    codes = (w.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
+    # Arithmetic shifts of int32 words sign-extend; the mask keeps the code bits only.
+    shifts = torch.arange(per_word, device=words.device, dtype=torch.int32) * bits
+    codes = (words.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
     codes = codes.reshape(*words.shape[:-1], words.shape[-1] * per_word)[..., :n]
     return codes.to(torch.uint8)
