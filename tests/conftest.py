@@ -44,3 +44,15 @@ def smollm2():
     model = AutoModelForCausalLM.from_pretrained(path, gguf_file=SMOLLM2_GGUF).eval()
     tokenizer = AutoTokenizer.from_pretrained(path, gguf_file=SMOLLM2_GGUF)
     return model, tokenizer
+
+
+def stored_bytes(cache) -> int:
+    """Bytes of every tensor an HqeKV cache holds, found independently of memory_report."""
+    total = 0
+    for layer in cache.layers:
+        for value in vars(layer).values():
+            if isinstance(value, torch.Tensor):
+                total += value.nbytes
+            elif isinstance(value, dict):
+                total += sum(t.nbytes for pool in value.values() for t in pool.tensors())
+    return total

@@ -7,7 +7,7 @@ import torch
 
 import hqekv
 from hqekv.policy import EVICTED, FP16
-from tests.conftest import tiny_llama
+from tests.conftest import stored_bytes, tiny_llama
 
 MIXED = hqekv.TierRatios(int4=0.3, int2=0.3, int1=0.2, evict=0.2)
 
@@ -99,13 +99,7 @@ def test_memory_report_counts_every_stored_byte(tiny):
         out = tiny.generate(prompt(300), max_new_tokens=5, do_sample=False, return_dict_in_generate=True)
     cache = out.cache
     report = hqekv.memory_report(cache)
-    stored = 0
-    for layer in cache.layers:
-        for value in vars(layer).values():
-            if isinstance(value, torch.Tensor):
-                stored += value.nbytes
-            elif isinstance(value, dict):
-                stored += sum(t.nbytes for pool in value.values() for t in pool.tensors())
+    stored = stored_bytes(cache)
     assert report.total_bytes == stored
     assert hqekv.memory_report(tiny).total_bytes == stored  # the model reports its last cache
     assert 0 < report.ratio_to_fp16 < 1 and report.effective_bits > report.bavg > 0

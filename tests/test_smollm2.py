@@ -5,6 +5,7 @@ import torch
 
 import hqekv
 from hqekv.data import passkey_prompt
+from tests.conftest import stored_bytes
 
 pytestmark = pytest.mark.slow
 
@@ -12,17 +13,6 @@ pytestmark = pytest.mark.slow
 def _generate(model, inputs, n):
     with torch.no_grad():
         return model.generate(**inputs, max_new_tokens=n, min_new_tokens=n, do_sample=False)
-
-
-def _stored_bytes(cache) -> int:
-    total = 0
-    for layer in cache.layers:
-        for value in vars(layer).values():
-            if isinstance(value, torch.Tensor):
-                total += value.nbytes
-            elif isinstance(value, dict):
-                total += sum(t.nbytes for pool in value.values() for t in pool.tensors())
-    return total
 
 
 def test_all_fp16_ratios_generate_the_unpatched_tokens_on_2k_prompt(smollm2):
@@ -68,7 +58,7 @@ def test_passkey_survives_compression(smollm2, bavg, seed, depth):
     finally:
         hqekv.unpatch_model(model)
     assert passkey in answer, f"bavg={bavg}: {answer!r}"
-    assert report.total_bytes == _stored_bytes(cache)
+    assert report.total_bytes == stored_bytes(cache)
     # compression really happened, at about the bits asked for (plus top-2 FP16 chunks and tail)
     assert bavg <= report.bavg <= bavg + 0.6
     assert report.total_bytes < 0.45 * report.fp16_bytes
