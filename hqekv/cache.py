@@ -26,7 +26,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from . import importance, policy
 from .config import HqeKVConfig
-from .packing import pack_codes, packed_words, unpack_codes
+from .packing import pack_codes, unpack_codes
 from .policy import EVICTED, FP16, INT1, INT2, INT4, TIER_CODE_BITS, TIER_NAMES
 from .quantization import (
     NORMALIZED,
@@ -63,9 +63,6 @@ class QuantizedPool:
     codes: torch.Tensor
     meta0: torch.Tensor
     meta1: torch.Tensor
-
-    def __len__(self) -> int:
-        return self.codes.shape[0]
 
     def select(self, slots: torch.Tensor) -> "QuantizedPool":
         return QuantizedPool(self.codes[slots], self.meta0[slots], self.meta1[slots])

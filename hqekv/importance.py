@@ -22,7 +22,7 @@ def window_attention(
     see it causally, divided by how many of them do; query heads of a KV group averaged.
     """
     b, hq, m, d = queries.shape
-    hkv, n = keys.shape[1], keys.shape[2]
+    hkv = keys.shape[1]
     if hq % hkv:
         raise ValueError(f"{hq} query heads are not a multiple of {hkv} KV heads")
     q = queries.float().reshape(b, hkv, hq // hkv, m, d)

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from .cache import HqeKVCache
-from .config import FP16_RATIOS, HqeKVConfig, TierRatios, check_bavg, uncalibrated_ratios
+from .config import HqeKVConfig, TierRatios, check_bavg, uncalibrated_ratios
 from .memory import MemoryReport
 from .patches import patch_for
 
