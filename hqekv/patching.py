@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import types
 import warnings
 import weakref
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -60,27 +62,42 @@ def _check_causal_lm(model) -> None:
         raise TypeError(f"patch_model supports decoder-only causal LMs, got encoder-decoder {type(model).__name__}")
 
 
-def resolve_config(model, bavg=None, ratios=None, **settings) -> HqeKVConfig:
-    """Ratios in order: explicit ``ratios``, else the documented uncalibrated fallback (warned)."""
+def resolve_config(model, bavg=None, ratios=None, artifact=None, **settings) -> HqeKVConfig:
+    """Ratios in order (SPEC §2): explicit ``ratios``; ``artifact`` (file, directory or Hub repo
+    id); an artifact shipped in the package for this model and bavg; else the documented
+    uncalibrated fallback, with an :class:`UncalibratedRatiosWarning`."""
+    from . import artifacts
+
     if bavg is not None:
         bavg = check_bavg(bavg)
+    if ratios is not None and artifact is not None:
+        raise ValueError("pass either ratios= or artifact=, not both")
     if ratios is not None:
         ratios = TierRatios.coerce(ratios)
-        if bavg is None:
-            bavg = ratios.bavg
-        source = "explicit"
-    else:
-        bavg = DEFAULT_BAVG if bavg is None else bavg
-        ratios = uncalibrated_ratios(bavg)
-        source = "uncalibrated"
-        name = getattr(model.config, "_name_or_path", "") or model.config.model_type
-        warnings.warn(
-            f"hqekv: no calibrated ratios for {name!r} at bavg={bavg:g}; using the uncalibrated fallback "
-            f"({ratios.describe()}). Pass ratios=... or calibrate for best quality.",
-            UncalibratedRatiosWarning,
-            stacklevel=3,
-        )
-    return HqeKVConfig(ratios=ratios, bavg=bavg, ratios_source=source, **settings)
+        return HqeKVConfig(ratios=ratios, bavg=ratios.bavg if bavg is None else bavg, ratios_source="explicit", **settings)
+    fingerprint = artifacts.model_fingerprint(model)
+    defaults = {f.name: f.default for f in dataclasses.fields(HqeKVConfig)}
+    matched = {k: settings.get(k, defaults[k]) for k in artifacts.MATCHED_SETTINGS}
+    if artifact is not None:
+        if bavg is None and Path(artifact).is_file():
+            found = artifacts.load_artifact(artifact)
+            artifacts.check_artifact(found, fingerprint, None, matched)
+        else:
+            found = artifacts.find_artifact(artifact, fingerprint, DEFAULT_BAVG if bavg is None else bavg, matched)
+        return HqeKVConfig(ratios=found.ratios, bavg=found.bavg, ratios_source=f"artifact:{found.path}", **settings)
+    bavg = DEFAULT_BAVG if bavg is None else bavg
+    shipped = artifacts.find_shipped(fingerprint, bavg, matched)
+    if shipped is not None:
+        return HqeKVConfig(ratios=shipped.ratios, bavg=bavg, ratios_source=f"shipped:{shipped.path.name}", **settings)
+    ratios = uncalibrated_ratios(bavg)
+    name = getattr(model.config, "_name_or_path", "") or model.config.model_type
+    warnings.warn(
+        f"hqekv: no calibrated ratios for {name!r} at bavg={bavg:g}; using the uncalibrated fallback "
+        f"({ratios.describe()}). Pass ratios=... or artifact=..., or run `hqekv calibrate`, for best quality.",
+        UncalibratedRatiosWarning,
+        stacklevel=3,
+    )
+    return HqeKVConfig(ratios=ratios, bavg=bavg, ratios_source="uncalibrated", **settings)
 
 
 def _decoder(model) -> torch.nn.Module:
@@ -117,6 +134,7 @@ def patch_model(
     bavg: float | None = None,
     *,
     ratios: TierRatios | tuple | dict | None = None,
+    artifact: str | Path | None = None,
     chunk_size: int = 32,
     window: int = 20,
     rerank_interval: int = 32,
@@ -134,6 +152,13 @@ def patch_model(
         Average code bits per element, in (0, 16]. 3.2 is near-lossless in the paper, 2.0 aggressive.
     ratios : TierRatios, dict, (d4, d2, d1, d_evict) or (fp16, d4, d2, d1, d_evict), optional
         Tier shares; if given with ``bavg`` they must satisfy SPEC eq. (6).
+    artifact : path or Hub repo id, optional
+        Calibrated ratios (:mod:`hqekv.artifacts`): a ``.safetensors`` file (its bavg is used
+        when ``bavg`` is None), a directory or a Hub repo id holding one per bavg. It must be
+        for this model (config fingerprint), this bavg and these cache settings.
+
+    Without ``ratios`` and ``artifact``, the artifact shipped in the package for this model
+    and bavg is used; if there is none, the uncalibrated fallback, with a warning.
     chunk_size, window, rerank_interval, protected_chunks, eviction, value_group, metadata_dtype
         See :class:`hqekv.HqeKVConfig`.
 
@@ -149,6 +174,7 @@ def patch_model(
         model,
         bavg,
         ratios,
+        artifact,
         chunk_size=chunk_size,
         window=window,
         rerank_interval=rerank_interval,

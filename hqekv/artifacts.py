@@ -1,0 +1,343 @@
+"""Calibrated tier ratios as safetensors artifacts (SPEC §1.5, §2).
+
+One file per (model, bavg): a float64 tensor ``ratios`` = (fp16, δ1, δ2, δ3, δ4) and string
+metadata (JSON-encoded values): model id and config fingerprint, bavg, the cache settings
+it was calibrated for (G, m, T, ...), α, β, trials, best loss, the calibration data and its
+hash, library and format versions. Artifacts are found as a file, a directory, a Hub repo
+id, or among those shipped inside the package (``hqekv/artifacts/``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+import torch
+
+from .config import TierRatios
+
+FORMAT = "hqekv-ratios"
+FORMAT_VERSION = 1
+SHIPPED_DIR = Path(__file__).parent / "artifacts"
+SUFFIX = ".safetensors"
+
+FINGERPRINT_FIELDS = (
+    "model_type",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+    "rope_theta",
+)
+"""Architecture fields that decide the K/V a model produces; the fingerprint hashes them."""
+
+MATCHED_SETTINGS = ("chunk_size", "window", "rerank_interval", "protected_chunks", "eviction", "value_group")
+"""Cache settings an artifact was calibrated for and must be used with."""
+
+REQUIRED = (
+    "format",
+    "format_version",
+    "model_id",
+    "config_fingerprint",
+    "bavg",
+    *MATCHED_SETTINGS,
+    "alpha",
+    "beta",
+    "trials",
+    "best_loss",
+    "calibration_data",
+    "calibration_data_sha256",
+    "library_version",
+)
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+class ArtifactError(ValueError):
+    """An artifact is missing, unreadable, corrupt, or made for another model, bavg or setting."""
+
+
+def fingerprint_fields(model_or_config) -> dict:
+    """The architecture fields of a model or config that :func:`model_fingerprint` hashes."""
+    config = getattr(model_or_config, "config", model_or_config)
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    fields = {}
+    for name in FINGERPRINT_FIELDS:
+        if name == "head_dim":
+            value = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        elif name == "rope_theta":
+            rope = getattr(config, "rope_parameters", None) or {}
+            value = rope.get("rope_theta", getattr(config, "rope_theta", None))
+        elif name == "num_key_value_heads":
+            value = getattr(config, name, None) or config.num_attention_heads
+        else:
+            value = getattr(config, name, None)
+        fields[name] = float(value) if isinstance(value, float) else value
+    return fields
+
+
+def model_fingerprint(model_or_config) -> str:
+    """sha256 of the architecture fields, stable across loaders (Hub, GGUF, local)."""
+    blob = json.dumps(fingerprint_fields(model_or_config), sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class Artifact:
+    """A loaded artifact: its ratios and metadata (values decoded from JSON)."""
+
+    path: Path
+    ratios: TierRatios
+    metadata: dict
+
+    @property
+    def bavg(self) -> float:
+        return float(self.metadata["bavg"])
+
+    @property
+    def fingerprint(self) -> str:
+        return self.metadata["config_fingerprint"]
+
+    def settings(self) -> dict:
+        return {k: self.metadata[k] for k in MATCHED_SETTINGS}
+
+    def describe(self) -> str:
+        lines = [f"{self.path}", f"  ratios: {self.ratios.describe()}  (bavg {self.ratios.bavg:.4g})"]
+        lines += [f"  {k}: {v}" for k, v in sorted(self.metadata.items())]
+        return "\n".join(lines)
+
+
+def artifact_filename(model_id: str, bavg: float) -> str:
+    slug = re.sub(r"[^a-z0-9.-]+", "-", model_id.rstrip("/").split("/")[-1].lower()).strip("-") or "model"
+    return f"{slug}-bavg{bavg:g}{SUFFIX}"
+
+
+def save_artifact(out: Path | str, ratios: TierRatios, metadata: dict) -> Path:
+    """Write an artifact; ``out`` is a directory (file named after model id and bavg) or a file path."""
+    from safetensors.torch import save_file
+
+    ratios = TierRatios.coerce(ratios)
+    meta = {"format": FORMAT, "format_version": FORMAT_VERSION, **metadata, "ratios": list(ratios.as_tuple())}
+    missing = [k for k in REQUIRED if k not in meta]
+    if missing:
+        raise ArtifactError(f"artifact metadata lacks {missing}")
+    if abs(float(meta["bavg"]) - ratios.bavg) > 1e-3:
+        raise ArtifactError(f"ratios give bavg {ratios.bavg:.4g}, metadata says {meta['bavg']}")
+    out = Path(out)
+    path = out if out.suffix == SUFFIX else out / artifact_filename(str(meta["model_id"]), float(meta["bavg"]))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tensor = torch.tensor(ratios.as_tuple(), dtype=torch.float64)
+    save_file({"ratios": tensor}, str(path), metadata={k: json.dumps(v) for k, v in meta.items()})
+    return path
+
+
+def load_artifact(path: Path | str) -> Artifact:
+    """Read and validate an artifact file; any defect raises :class:`ArtifactError`."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise ArtifactError(f"no hqekv artifact at {path}: file not found")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            raw = f.metadata() or {}
+            tensor = f.get_tensor("ratios") if "ratios" in f.keys() else None
+    except Exception as err:  # safetensors raises its own error types for bad headers and truncation
+        raise ArtifactError(f"{path} is not a readable safetensors file (corrupt or truncated?): {err}") from err
+    try:
+        meta = {k: json.loads(v) for k, v in raw.items()}
+    except json.JSONDecodeError as err:
+        raise ArtifactError(f"{path}: corrupt metadata ({err})") from err
+    if meta.get("format") != FORMAT:
+        raise ArtifactError(f"{path} is not an hqekv ratios artifact (format {meta.get('format')!r})")
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise ArtifactError(
+            f"{path} has artifact format version {meta.get('format_version')}; this hqekv reads version {FORMAT_VERSION}"
+        )
+    missing = [k for k in REQUIRED if k not in meta]
+    if missing:
+        raise ArtifactError(f"{path}: metadata lacks {missing}")
+    if tensor is None or tensor.shape != (5,) or tensor.dtype != torch.float64:
+        raise ArtifactError(f"{path}: expected a float64 tensor 'ratios' of 5 entries")
+    values = tuple(tensor.tolist())
+    if list(values) != meta.get("ratios"):
+        raise ArtifactError(f"{path}: ratios tensor {values} disagrees with its metadata {meta.get('ratios')}: corrupt")
+    try:
+        ratios = TierRatios(*values)
+    except ValueError as err:
+        raise ArtifactError(f"{path}: invalid ratios ({err})") from err
+    if abs(ratios.bavg - float(meta["bavg"])) > 1e-3:
+        raise ArtifactError(f"{path}: ratios give bavg {ratios.bavg:.4g} but the artifact is for bavg {meta['bavg']}")
+    return Artifact(path, ratios, meta)
+
+
+def check_artifact(artifact: Artifact, fingerprint: str, bavg: float | None, settings: dict) -> None:
+    """Raise :class:`ArtifactError` unless ``artifact`` fits this model, bavg and cache settings."""
+    if artifact.fingerprint != fingerprint:
+        raise ArtifactError(
+            f"{artifact.path} was calibrated for {artifact.metadata['model_id']!r} "
+            f"(config fingerprint {artifact.fingerprint[:12]}), not for this model ({fingerprint[:12]})"
+        )
+    if bavg is not None and abs(artifact.bavg - bavg) > 1e-6:
+        raise ArtifactError(f"{artifact.path} is for bavg={artifact.bavg:g}, not bavg={bavg:g}")
+    wrong = {k: (artifact.metadata[k], settings[k]) for k in MATCHED_SETTINGS if k in settings and artifact.metadata[k] != settings[k]}
+    if wrong:
+        detail = ", ".join(f"{k}: artifact {a!r} vs {b!r}" for k, (a, b) in wrong.items())
+        raise ArtifactError(f"{artifact.path} was calibrated with other cache settings ({detail})")
+
+
+def _directory_artifacts(directory: Path) -> list[Artifact]:
+    return [load_artifact(p) for p in sorted(directory.glob(f"*{SUFFIX}"))]
+
+
+def _hub_snapshot(repo_id: str) -> Path:
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=[f"*{SUFFIX}", "*.json"]))
+    except Exception as err:  # offline misses, auth and network errors all land here
+        raise ArtifactError(
+            f"cannot get hqekv artifacts from the Hub repo {repo_id!r}: {type(err).__name__}: {err}. "
+            "With HF_HUB_OFFLINE=1 only the local Hub cache is read."
+        ) from err
+
+
+def find_artifact(source: str | Path, fingerprint: str, bavg: float, settings: dict) -> Artifact:
+    """The artifact for this model, bavg and settings in ``source``: a file, a directory or a Hub repo id."""
+    path = Path(source)
+    if path.is_file():
+        artifact = load_artifact(path)
+        check_artifact(artifact, fingerprint, bavg, settings)
+        return artifact
+    if path.is_dir():
+        directory = path
+    elif isinstance(source, str) and _HUB_ID.match(source):
+        directory = _hub_snapshot(source)
+    else:
+        raise ArtifactError(f"artifact {str(source)!r}: no such file or directory, and not a Hub repo id (owner/name)")
+    candidates = _directory_artifacts(directory)
+    if not candidates:
+        raise ArtifactError(f"no {SUFFIX} artifacts in {source}")
+    for artifact in candidates:
+        try:
+            check_artifact(artifact, fingerprint, bavg, settings)
+        except ArtifactError:
+            continue
+        return artifact
+    available = ", ".join(f"{a.metadata['model_id']} bavg={a.bavg:g}" for a in candidates)
+    raise ArtifactError(f"no artifact in {source} fits this model at bavg={bavg:g} with these settings; it has: {available}")
+
+
+def shipped_artifacts() -> list[Path]:
+    """Artifacts inside the installed package."""
+    return sorted(SHIPPED_DIR.glob(f"*{SUFFIX}"))
+
+
+def find_shipped(fingerprint: str, bavg: float, settings: dict) -> Artifact | None:
+    """The shipped artifact for this model, bavg and settings, if there is one."""
+    for path in shipped_artifacts():
+        artifact = load_artifact(path)
+        try:
+            check_artifact(artifact, fingerprint, bavg, settings)
+        except ArtifactError:
+            continue
+        return artifact
+    return None
+
+
+def sibling(artifact_path: Path, ending: str) -> Path:
+    """A file next to an artifact: ``name-bavg2.safetensors`` -> ``name-bavg2<ending>``."""
+    return artifact_path.with_name(artifact_path.name[: -len(SUFFIX)] + ending)
+
+
+def report_path(artifact_path: Path) -> Path:
+    return sibling(artifact_path, ".report.json")
+
+
+def write_report(result) -> Path:
+    """The calibration report (JSON) next to the artifact, and a plot of the history if matplotlib is there."""
+    path = report_path(result.path)
+    path.write_text(json.dumps(result.report(), indent=1) + "\n")
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return path
+    plot_history(result.history, sibling(result.path, ".history.png"), title=result.path.name)
+    return path
+
+
+def plot_history(history: list[dict], path: Path, title: str = "") -> Path:
+    """Objective per completed trial and the best so far (the Optuna history) as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    done = [h for h in history if h["state"] == "COMPLETE"]
+    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
+    x = [h["number"] for h in done]
+    y = [h["loss"] for h in done]
+    best, running = [], float("inf")
+    for v in y:
+        running = min(running, v)
+        best.append(running)
+    ax.scatter(x, y, s=8, alpha=0.6, label="trial objective (KL + α·δ3 + β·δ4)")
+    ax.plot(x, best, color="C3", label="best so far")
+    ax.set_xlabel("trial")
+    ax.set_ylabel("objective")
+    ax.set_yscale("log")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def model_card(artifacts: Iterable[Artifact], repo_id: str) -> str:
+    """README.md for a Hub repo of artifacts, listing each one's metadata."""
+    lines = [
+        "---",
+        "library_name: hqekv",
+        "tags: [hqekv, kv-cache, quantization]",
+        "---",
+        f"# {repo_id}",
+        "",
+        "HqeKV tier ratios calibrated with [hqekv](https://pypi.org/project/hqekv/). Use them with",
+        "",
+        "```python",
+        "import hqekv",
+        f'hqekv.patch_model(model, bavg=3.2, artifact="{repo_id}")',
+        "```",
+        "",
+    ]
+    for a in artifacts:
+        lines += [f"## `{a.path.name}`", "", "| field | value |", "|---|---|"]
+        lines.append(f"| ratios (fp16, δ1..δ4) | {', '.join(f'{r:.4f}' for r in a.ratios.as_tuple())} |")
+        lines += [f"| {k} | {v} |" for k, v in sorted(a.metadata.items()) if k != "ratios"]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def push_artifacts(paths: Iterable[Path | str], repo_id: str, *, token: str | None = None, private: bool = False) -> str:
+    """Upload artifacts (and their reports) to a Hub model repo, created if needed, with a model card."""
+    from huggingface_hub import HfApi
+
+    artifacts = [load_artifact(p) for p in paths]
+    if not artifacts:
+        raise ArtifactError("nothing to push: give at least one artifact")
+    api = HfApi(token=token)
+    api.create_repo(repo_id, repo_type="model", exist_ok=True, private=private)
+    for a in artifacts:
+        api.upload_file(path_or_fileobj=str(a.path), path_in_repo=a.path.name, repo_id=repo_id)
+        report = report_path(a.path)
+        if report.is_file():
+            api.upload_file(path_or_fileobj=str(report), path_in_repo=report.name, repo_id=repo_id)
+    api.upload_file(path_or_fileobj=model_card(artifacts, repo_id).encode(), path_in_repo="README.md", repo_id=repo_id)
+    return f"https://huggingface.co/{repo_id}"

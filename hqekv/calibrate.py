@@ -1,0 +1,452 @@
+"""Offline search of the tier ratios: Optuna TPE over (δ3, δ4) (paper Algorithm 1, SPEC §1.5).
+
+The objective compares the next-token distributions of the compressed and the FP16 model
+on a held continuation after a long calibration context. It is fast by design: the
+context is prefilled once in full precision, its K/V, chunk importance and the dequantized
+value of every chunk at every tier are kept, and a trial only assigns tiers and runs the
+continuation through a cache holding those values (:class:`CompressionObjective`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from . import policy
+from .cache import KEY, QUANTIZED_TIERS, VALUE, HqeKVCache, decode_chunks, encode_chunks
+from .config import FP16_RATIOS, HqeKVConfig, TierRatios, check_bavg
+
+ALPHA = 2.0
+BETA = 4.0
+DEFAULT_TRIALS = 200
+CONTEXT_TOKENS = 16384
+CONTINUATION_TOKENS = 128
+CACHE_SETTINGS = ("chunk_size", "window", "rerank_interval", "protected_chunks", "eviction", "value_group", "metadata_dtype")
+"""HqeKVConfig fields a calibration is made for (everything but the ratios)."""
+
+
+def ratios_from_free(bavg: float, x3: float, x4: float) -> TierRatios | None:
+    """δ1, δ2 in closed form from x3 = δ3, x4 = δ4 (SPEC §1.5); None when infeasible.
+
+    δ1 = (bavg − 2 + x3 + 2·x4) / 2, δ2 = (4 − bavg − 3·x3 − 4·x4) / 2, so that
+    4δ1 + 2δ2 + δ3 = bavg and δ1 + δ2 + δ3 + δ4 = 1.
+    """
+    d1 = (bavg - 2 + x3 + 2 * x4) / 2
+    d2 = (4 - bavg - 3 * x3 - 4 * x4) / 2
+    if d1 < 0 or d2 < 0 or x3 < 0 or x4 < 0:
+        return None
+    return TierRatios(int4=d1, int2=d2, int1=x3, evict=x4)
+
+
+def search_box(bavg: float) -> tuple[float, float]:
+    """Upper bounds of x3 and x4: beyond them δ2 < 0 whatever the other variable."""
+    bavg = check_bavg(bavg)
+    if not 0 < bavg < 4:
+        raise ValueError(
+            f"the ratio search covers 0 < bavg < 4 (SPEC eq. 6 with no FP16 share); got {bavg:g}. "
+            "Above 4 bits use hqekv.uncalibrated_ratios(bavg) (FP16 + 4-bit) or explicit ratios."
+        )
+    return min(1.0, (4 - bavg) / 3), min(1.0, (4 - bavg) / 4)
+
+
+def _settings_config(ratios: TierRatios, settings: dict) -> HqeKVConfig:
+    return HqeKVConfig(ratios=ratios, bavg=ratios.bavg, **settings)
+
+
+@contextlib.contextmanager
+def _patched(model, settings: dict):
+    from .patching import patch_model, unpatch_model
+
+    patch_model(model, ratios=FP16_RATIOS, **settings)
+    try:
+        yield
+    finally:
+        unpatch_model(model)
+
+
+class CompressionObjective:
+    """Scores tier ratios on one calibration context and continuation (SPEC §1.5).
+
+    Built once: the FP16 prefill of ``context`` (1, N), each layer's chunk scores and each
+    chunk dequantized at every tier. :meth:`kl` then costs one forward of ``continuation``
+    (1, L) over the compressed context. The reference distributions come from the same
+    forward over the uncompressed context, so all-FP16 ratios score exactly 0.
+
+    Parameters
+    ----------
+    model : an unpatched Hugging Face causal LM of a supported architecture
+    context, continuation : (1, N), (1, L) int64 token ids
+    settings : HqeKVConfig fields other than the ratios (see ``CACHE_SETTINGS``)
+    """
+
+    def __init__(self, model, context: torch.Tensor, continuation: torch.Tensor, **settings):
+        from .patching import is_patched
+
+        unknown = set(settings) - set(CACHE_SETTINGS)
+        if unknown:
+            raise TypeError(f"unknown cache settings {sorted(unknown)}; expected some of {CACHE_SETTINGS}")
+        if is_patched(model):
+            raise ValueError("calibrate an unpatched model: call hqekv.unpatch_model(model) first")
+        if context.dim() != 2 or context.shape[0] != 1 or continuation.dim() != 2 or continuation.shape[0] != 1:
+            raise ValueError("context and continuation must be (1, N) token ids: calibration runs one sequence")
+        self.settings = dict(settings)
+        self.config = _settings_config(FP16_RATIOS, self.settings)
+        g = self.config.chunk_size
+        if context.shape[1] < 2 * g:
+            raise ValueError(f"the calibration context needs at least {2 * g} tokens, got {context.shape[1]}")
+        self.model = model
+        device = next(model.parameters()).device
+        self.context = context.to(device)
+        self.continuation = continuation.to(device)
+        # Scoring never re-ranks: the compressed state is the one right after the prefill.
+        self._trial_config = dataclasses.replace(self.config, rerank_interval=g * 2**40)
+
+        start = time.perf_counter()
+        with _patched(model, self.settings), torch.no_grad():
+            cache = HqeKVCache(self.config, model.config.get_text_config().num_hidden_layers)
+            model(self.context, cache=cache, use_cache=True, logits_to_keep=1)
+        self.base = cache
+        self.scores = []  # per layer: score_k, score_v (1, C)
+        self.dequantized = []  # per layer: keys, values (1 + 3 tiers, C, H, G, D)
+        for layer in cache.layers:
+            keys, values, score_k, score_v = layer.chunk_importance()
+            c = layer.chunk_pos.shape[1]
+            if not bool((layer.k_tier == 0).all()) or c * g > keys.shape[2]:
+                raise AssertionError("the FP16 prefill must hold every chunk in FP16")
+            per_component = []
+            for component, dense in ((KEY, keys), (VALUE, values)):
+                chunks = dense[0, :, : c * g].reshape(layer.num_kv_heads, c, g, layer.head_dim).transpose(0, 1)
+                group_len = g if component == KEY else layer.value_group
+                tiers = [chunks]
+                for t in QUANTIZED_TIERS:
+                    pool = encode_chunks(chunks, t, component, layer.value_group, layer.meta_dtype)
+                    tiers.append(decode_chunks(pool, t, component, group_len, layer.dtype))
+                per_component.append(torch.stack(tiers))
+            self.scores.append((score_k, score_v))
+            self.dequantized.append(tuple(per_component))
+        self.setup_seconds = time.perf_counter() - start
+        self.reference = self._log_probs(FP16_RATIOS)
+
+    @property
+    def n_chunks(self) -> int:
+        return self.base.layers[0].chunk_pos.shape[1]
+
+    def tiers(self, ratios: TierRatios) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """K and V tier (1, C) of each chunk of each layer right after the prefill, under ``ratios``."""
+        out = []
+        for layer, (score_k, score_v) in zip(self.base.layers, self.scores):
+            valid = layer.chunk_pos >= 0
+            out.append(
+                policy.assign_tiers(
+                    score_k,
+                    score_v,
+                    valid,
+                    ratios,
+                    n_logical=layer.n_chunks,
+                    n_evicted=torch.zeros_like(layer.n_chunks),
+                    protected=self.config.protected_chunks,
+                    eviction=self.config.eviction,
+                    fp16_k=valid,
+                    fp16_v=valid,
+                )
+            )
+        return out
+
+    def compressed_cache(self, ratios: TierRatios) -> HqeKVCache:
+        """A cache holding the context as ``ratios`` would compress it (dequantized values)."""
+        ratios = TierRatios.coerce(ratios)
+        cache = HqeKVCache(self._trial_config, len(self.base.layers))
+        for i, (layer, (k_tier, v_tier), (k_all, v_all)) in enumerate(
+            zip(self.base.layers, self.tiers(ratios), self.dequantized)
+        ):
+            kept = k_tier[0] != policy.EVICTED
+            index = kept.nonzero().flatten()
+            k_chunks = k_all[k_tier[0, index], index]
+            v_chunks = v_all[v_tier[0, index], index]
+            chunk_pos = layer.chunk_pos[:, index]
+            cache.layers[i] = layer.with_dense_chunks(
+                self._trial_config, k_chunks, v_chunks, chunk_pos, int((~kept).sum())
+            )
+        return cache
+
+    def _log_probs(self, ratios: TierRatios) -> torch.Tensor:
+        cache = self.compressed_cache(ratios)
+        with _patched(self.model, self.settings), torch.no_grad():
+            logits = self.model(self.continuation, cache=cache, use_cache=True).logits
+        return torch.log_softmax(logits[0].float(), dim=-1)
+
+    def kl(self, ratios: TierRatios | Sequence[float] | dict) -> float:
+        """Mean KL(FP16 ‖ compressed) of the next-token distributions at the same positions.
+
+        fix: both distributions are taken at the same continuation positions (the reference
+        code compares position t with t+1).
+        """
+        log_q = self._log_probs(TierRatios.coerce(ratios))
+        log_p = self.reference
+        kl = (log_p.exp() * (log_p - log_q)).sum(-1).mean()
+        if not torch.isfinite(kl):
+            raise FloatingPointError("the compressed model produced non-finite logits on the calibration text")
+        return float(kl)
+
+    def loss(self, ratios, alpha: float = ALPHA, beta: float = BETA) -> float:
+        """Objective: KL + α·δ3 + β·δ4 (SPEC §1.5)."""
+        ratios = TierRatios.coerce(ratios)
+        return self.kl(ratios) + alpha * ratios.int1 + beta * ratios.evict
+
+
+def reference_style_kl(model, context: torch.Tensor, continuation: torch.Tensor, ratios, **settings) -> float:
+    """The objective as a reference run computes it: a full compressed prefill per trial.
+
+    Used to check :class:`CompressionObjective` and to time what it saves. Reference
+    distributions come from an FP16 run of the same shape.
+    """
+    from .patching import patch_model, unpatch_model
+
+    def log_probs(r):
+        patch_model(model, ratios=r, **settings)
+        try:
+            with torch.no_grad():
+                cache = HqeKVCache(_settings_config(TierRatios.coerce(r), settings), model.config.num_hidden_layers)
+                model(context, cache=cache, use_cache=True, logits_to_keep=1)
+                logits = model(continuation, cache=cache, use_cache=True).logits
+        finally:
+            unpatch_model(model)
+        return torch.log_softmax(logits[0].float(), dim=-1)
+
+    log_p, log_q = log_probs(FP16_RATIOS), log_probs(ratios)
+    return float((log_p.exp() * (log_p - log_q)).sum(-1).mean())
+
+
+@dataclass
+class CalibrationResult:
+    """Best ratios of one study, its history and what the artifact records."""
+
+    bavg: float
+    ratios: TierRatios
+    best_loss: float
+    best_kl: float
+    trials: int
+    history: list[dict] = field(default_factory=list)  # number, x3, x4, loss, kl, state, seconds
+    metadata: dict = field(default_factory=dict)
+    path: Path | None = None
+
+    def report(self) -> dict:
+        return {
+            "bavg": self.bavg,
+            "ratios": dict(zip(TierRatios.names(), self.ratios.as_tuple())),
+            "best_loss": self.best_loss,
+            "best_kl": self.best_kl,
+            "trials": self.trials,
+            "metadata": self.metadata,
+            "history": self.history,
+        }
+
+
+def study_name(fingerprint: str, bavg: float, settings: dict, seed: int) -> str:
+    """Deterministic, so that re-running the same calibration continues the same study."""
+    parts = [f"{k}={settings[k]}" for k in CACHE_SETTINGS if k in settings and settings[k] is not None]
+    return f"hqekv-{fingerprint[:16]}-bavg{bavg:g}-seed{seed}" + ("-" + ",".join(parts) if parts else "")
+
+
+def run_study(
+    objective: CompressionObjective,
+    bavg: float,
+    *,
+    trials: int = DEFAULT_TRIALS,
+    storage: str | None = None,
+    name: str = "hqekv",
+    seed: int = 0,
+    alpha: float = ALPHA,
+    beta: float = BETA,
+    progress: bool = True,
+) -> CalibrationResult:
+    """Run (or continue) one TPE study until it holds ``trials`` completed trials.
+
+    Infeasible samples (δ1 < 0 or δ2 < 0) are pruned without running the model. Several
+    processes may run this on one RDB ``storage``; each stops once the study is complete.
+    """
+    import optuna
+    from optuna.trial import TrialState
+    from tqdm.auto import tqdm
+
+    bavg = check_bavg(bavg)
+    hi3, hi4 = search_box(bavg)
+    if not isinstance(trials, int) or trials < 1:
+        raise ValueError(f"trials must be a positive integer, got {trials!r}")
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(
+        study_name=name,
+        storage=storage,
+        load_if_exists=True,
+        direction="minimize",
+        sampler=optuna.samplers.TPESampler(seed=seed),
+    )
+    stored = study.user_attrs.get("bavg")
+    if stored is not None and abs(stored - bavg) > 1e-9:
+        raise ValueError(f"study {name!r} in {storage} was run for bavg={stored:g}, not {bavg:g}")
+    study.set_user_attr("bavg", bavg)
+    study.set_user_attr("alpha", alpha)
+    study.set_user_attr("beta", beta)
+
+    def completed() -> int:
+        return len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
+
+    def evaluate(trial) -> float:
+        x3 = trial.suggest_float("x3", 0.0, hi3)
+        x4 = trial.suggest_float("x4", 0.0, hi4)
+        ratios = ratios_from_free(bavg, x3, x4)
+        if ratios is None:
+            raise optuna.TrialPruned("infeasible: δ1 < 0 or δ2 < 0")
+        start = time.perf_counter()
+        kl = objective.kl(ratios)
+        trial.set_user_attr("kl", kl)
+        trial.set_user_attr("seconds", time.perf_counter() - start)
+        return kl + alpha * x3 + beta * x4
+
+    done = completed()
+    bar = tqdm(total=trials, initial=min(done, trials), desc=f"calibrate bavg={bavg:g}", disable=not progress)
+    attempts = 0
+    while done < trials:
+        # Infeasible samples are free; the cap only stops a pathological sampler.
+        if attempts > 50 * trials:
+            raise RuntimeError(f"study {name!r}: {attempts} samples gave only {done} feasible trials")
+        study.optimize(evaluate, n_trials=1, catch=())
+        attempts += 1
+        now = completed()
+        bar.update(min(now, trials) - min(done, trials))
+        done = now
+    bar.close()
+    return _result(study, bavg, trials)
+
+
+def _result(study, bavg: float, trials: int) -> CalibrationResult:
+    from optuna.trial import TrialState
+
+    history = []
+    for t in study.get_trials(deepcopy=False):
+        history.append(
+            {
+                "number": t.number,
+                "state": t.state.name,
+                "x3": t.params.get("x3"),
+                "x4": t.params.get("x4"),
+                "loss": t.value,
+                "kl": t.user_attrs.get("kl"),
+                "seconds": t.user_attrs.get("seconds"),
+            }
+        )
+    complete = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))]
+    if not complete:
+        raise RuntimeError(f"study {study.study_name!r} has no completed trial")
+    best = min(complete, key=lambda t: t.value)
+    ratios = ratios_from_free(bavg, best.params["x3"], best.params["x4"])
+    return CalibrationResult(
+        bavg=bavg,
+        ratios=ratios,
+        best_loss=float(best.value),
+        best_kl=float(best.user_attrs["kl"]),
+        trials=len(complete),
+        history=history,
+    )
+
+
+def calibrate(
+    model,
+    tokenizer,
+    bavg: float | Sequence[float] = 3.2,
+    *,
+    trials: int = DEFAULT_TRIALS,
+    storage: str | None = None,
+    out: str | Path | None = None,
+    seed: int = 0,
+    context_tokens: int = CONTEXT_TOKENS,
+    continuation_tokens: int = CONTINUATION_TOKENS,
+    alpha: float = ALPHA,
+    beta: float = BETA,
+    model_id: str | None = None,
+    progress: bool = True,
+    **settings,
+) -> CalibrationResult | list[CalibrationResult]:
+    """Find the tier ratios of ``model`` at each ``bavg`` by TPE (SPEC §1.5).
+
+    Parameters
+    ----------
+    model, tokenizer : an unpatched Hugging Face causal LM of a supported architecture
+    bavg : float or sequence of floats in (0, 4)
+        One study per value; the calibration prefill is shared.
+    trials : int, default 200
+        Completed (feasible) trials per study; a re-run continues the study up to this count.
+    storage : Optuna storage URL, optional
+        None keeps the studies in memory; ``sqlite:///study.db`` makes them resumable; any
+        RDB URL lets several workers share them.
+    out : directory, optional
+        Where to write one artifact per bavg (see :mod:`hqekv.artifacts`) and its report.
+    seed : int
+        Seed of the TPE sampler.
+    context_tokens, continuation_tokens : int
+        Calibration context (prefilled once) and the held continuation that is scored.
+    alpha, beta : float
+        Penalties on δ3 and δ4 in the objective.
+    model_id : str, optional
+        Recorded in the artifact; defaults to the model's ``name_or_path``.
+    **settings : HqeKVConfig fields other than the ratios (chunk_size, window, ...)
+
+    Returns one :class:`CalibrationResult` per bavg (a list if ``bavg`` is a sequence).
+    """
+    from . import __version__
+    from .artifacts import model_fingerprint, save_artifact, write_report
+    from .data import calibration_text
+
+    single = not isinstance(bavg, (list, tuple))
+    values = [check_bavg(b) for b in ([bavg] if single else bavg)]
+    for b in values:
+        search_box(b)
+    text = calibration_text(tokenizer, context_tokens, continuation_tokens)
+    objective = CompressionObjective(model, text.context, text.continuation, **settings)
+    fingerprint = model_fingerprint(model)
+    config = objective.config
+    results = []
+    for b in values:
+        name = study_name(fingerprint, b, objective.settings, seed)
+        start = time.perf_counter()
+        result = run_study(
+            objective, b, trials=trials, storage=storage, name=name, seed=seed, alpha=alpha, beta=beta, progress=progress
+        )
+        result.metadata = {
+            "model_id": model_id or getattr(model.config, "_name_or_path", "") or model.config.model_type,
+            "model_type": model.config.get_text_config().model_type,
+            "config_fingerprint": fingerprint,
+            "bavg": b,
+            "chunk_size": config.chunk_size,
+            "window": config.window,
+            "rerank_interval": config.rerank_interval,
+            "protected_chunks": config.protected_chunks,
+            "eviction": config.eviction,
+            "value_group": config.value_group,
+            "alpha": alpha,
+            "beta": beta,
+            "trials": result.trials,
+            "best_loss": result.best_loss,
+            "best_kl": result.best_kl,
+            "seed": seed,
+            "study_name": name,
+            "calibration_data": text.description,
+            "calibration_data_sha256": text.sha256,
+            "context_tokens": text.context.shape[1],
+            "continuation_tokens": text.continuation.shape[1],
+            "library_version": __version__,
+            "setup_seconds": round(objective.setup_seconds, 3),
+            "study_seconds": round(time.perf_counter() - start, 3),
+        }
+        if out is not None:
+            result.path = save_artifact(Path(out), result.ratios, result.metadata)
+            write_report(result)
+        results.append(result)
+    return results[0] if single else results
+

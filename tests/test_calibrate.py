@@ -1,0 +1,162 @@
+import math
+
+import pytest
+import torch
+
+import hqekv
+from hqekv import FP16_RATIOS, uncalibrated_ratios
+from hqekv.artifacts import load_artifact
+from hqekv.calibrate import (
+    CompressionObjective,
+    calibrate,
+    ratios_from_free,
+    reference_style_kl,
+    search_box,
+)
+
+from .conftest import tiny_llama
+
+
+class CharTokenizer:
+    """Characters to ids below the tiny model's vocabulary of 128."""
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [ord(c) % 127 + 1 for c in text]}
+
+
+@pytest.mark.parametrize("bavg", [0.5, 1.0, 2.0, 2.8, 3.2, 3.25, 3.9])
+def test_closed_form_satisfies_eq6_and_rejects_infeasible(bavg):
+    hi3, hi4 = search_box(bavg)
+    feasible = 0
+    for x3 in torch.linspace(0, hi3, 9).tolist():
+        for x4 in torch.linspace(0, hi4, 9).tolist():
+            r = ratios_from_free(bavg, x3, x4)
+            d1 = (bavg - 2 + x3 + 2 * x4) / 2
+            d2 = (4 - bavg - 3 * x3 - 4 * x4) / 2
+            if d1 < 0 or d2 < 0:
+                assert r is None
+                continue
+            feasible += 1
+            assert math.isclose(4 * r.int4 + 2 * r.int2 + r.int1, bavg, abs_tol=1e-9)
+            assert math.isclose(sum(r.as_tuple()), 1.0, abs_tol=1e-9)
+            assert (r.int1, r.evict) == (x3, x4) and r.fp16 == 0
+    assert feasible > 0
+
+
+@pytest.mark.parametrize("bavg", [4.0, 6.0, 0.0, float("nan")])
+def test_search_box_rejects_bavg_outside_the_search(bavg):
+    with pytest.raises(ValueError):
+        search_box(bavg)
+
+
+@pytest.fixture(scope="module")
+def objective_setup():
+    model = tiny_llama(seed=3, layers=2)
+    g = torch.Generator().manual_seed(0)
+    context = torch.randint(1, 128, (1, 300), generator=g)
+    continuation = torch.randint(1, 128, (1, 40), generator=g)
+    return model, context, continuation, CompressionObjective(model, context, continuation)
+
+
+def test_objective_is_zero_for_fp16_and_positive_when_compressed(objective_setup):
+    model, _, _, objective = objective_setup
+    assert objective.kl(FP16_RATIOS) == 0.0
+    assert objective.kl(uncalibrated_ratios(1.0)) > 0
+    assert not hqekv.is_patched(model), "the objective must leave the model unpatched"
+
+
+@pytest.mark.parametrize(
+    "ratios",
+    [uncalibrated_ratios(2.0), ratios_from_free(2.0, 0.3, 0.2), ratios_from_free(3.2, 0.1, 0.1), uncalibrated_ratios(0.5)],
+    ids=["all-2bit", "b2-mixed", "b3.2-mixed", "b0.5-evict"],
+)
+def test_fast_objective_equals_a_full_compressed_prefill(objective_setup, ratios):
+    """Faithful: the prepared objective scores what a real patched prefill of the context would."""
+    model, context, continuation, objective = objective_setup
+    fast = objective.kl(ratios)
+    full = reference_style_kl(model, context, continuation, ratios)
+    assert fast > 0
+    assert math.isclose(fast, full, rel_tol=1e-5, abs_tol=1e-9), (fast, full)
+
+
+def test_compressed_cache_holds_the_assigned_tiers(objective_setup):
+    _, _, _, objective = objective_setup
+    ratios = ratios_from_free(2.0, 0.3, 0.2)
+    cache = objective.compressed_cache(ratios)
+    for layer, (k_tier, _) in zip(cache.layers, objective.tiers(ratios)):
+        n_evicted = int((k_tier == hqekv.policy.EVICTED).sum())
+        assert n_evicted > 0
+        assert int(layer.n_evicted) == n_evicted
+        assert layer.chunk_pos.shape[1] == objective.n_chunks - n_evicted
+        assert layer.get_seq_length() == 300  # logical length: evicted tokens still count
+
+
+def test_objective_rejects_a_patched_model_and_bad_inputs():
+    model = tiny_llama()
+    with pytest.raises(ValueError, match="at least"):
+        CompressionObjective(model, torch.ones(1, 10, dtype=torch.long), torch.ones(1, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match="one sequence"):
+        CompressionObjective(model, torch.ones(2, 100, dtype=torch.long), torch.ones(2, 4, dtype=torch.long))
+    with pytest.raises(TypeError, match="unknown cache settings"):
+        CompressionObjective(model, torch.ones(1, 100, dtype=torch.long), torch.ones(1, 4, dtype=torch.long), foo=1)
+    hqekv.patch_model(model, ratios=FP16_RATIOS)
+    with pytest.raises(ValueError, match="unpatch"):
+        CompressionObjective(model, torch.ones(1, 100, dtype=torch.long), torch.ones(1, 4, dtype=torch.long))
+
+
+def test_calibrate_end_to_end_then_resume(tmp_path):
+    model = tiny_llama(seed=1, layers=2)
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    kwargs = dict(storage=storage, out=tmp_path, context_tokens=320, continuation_tokens=32, progress=False, model_id="tiny/llama")
+    first = calibrate(model, CharTokenizer(), 2.0, trials=20, **kwargs)
+    assert first.trials == 20
+    r = first.ratios
+    assert math.isclose(4 * r.int4 + 2 * r.int2 + r.int1, 2.0, abs_tol=1e-9) and min(r.as_tuple()) >= 0
+    completed = [h for h in first.history if h["state"] == "COMPLETE"]
+    assert len(completed) == 20
+    assert first.best_loss == min(h["loss"] for h in completed)
+    assert all(math.isclose(h["loss"], h["kl"] + 2 * h["x3"] + 4 * h["x4"]) for h in completed)
+    assert all(h["x3"] is not None and ratios_from_free(2.0, h["x3"], h["x4"]) is None
+               for h in first.history if h["state"] == "PRUNED"), "only infeasible samples are pruned"
+
+    artifact = load_artifact(first.path)
+    assert artifact.ratios == first.ratios
+    meta = artifact.metadata
+    assert meta["model_id"] == "tiny/llama" and meta["bavg"] == 2.0 and meta["trials"] == 20
+    assert (meta["chunk_size"], meta["window"], meta["rerank_interval"], meta["alpha"], meta["beta"]) == (32, 20, 32, 2.0, 4.0)
+    assert meta["context_tokens"] == 320 and len(meta["calibration_data_sha256"]) == 64
+    assert "SQuAD" in meta["calibration_data"]
+    assert (tmp_path / first.path.name.replace(".safetensors", ".report.json")).is_file()
+    assert (tmp_path / first.path.name.replace(".safetensors", ".history.png")).is_file()
+
+    hqekv.patch_model(model, artifact=first.path)
+    config = model._hqekv_patch.config
+    assert config.ratios == first.ratios and config.bavg == 2.0 and config.ratios_source.startswith("artifact:")
+    out = model.generate(torch.randint(1, 128, (1, 100)), max_new_tokens=40, do_sample=False)
+    assert out.shape == (1, 140)
+    hqekv.unpatch_model(model)
+
+    again = calibrate(model, CharTokenizer(), 2.0, trials=25, **kwargs)
+    assert again.trials == 25
+    prefix = [(h["x3"], h["x4"], h["loss"]) for h in again.history[: len(first.history)]]
+    assert prefix == [(h["x3"], h["x4"], h["loss"]) for h in first.history], "a re-run continues the same study"
+
+
+def test_calibrate_rejects_bad_bavg_before_any_work():
+    with pytest.raises(ValueError, match="0 < bavg < 4"):
+        calibrate(tiny_llama(), CharTokenizer(), [2.0, 5.0], trials=1)
+    with pytest.raises(ValueError, match="trials"):
+        from hqekv.calibrate import run_study
+
+        run_study(None, 2.0, trials=0)
+
+
+def test_study_refuses_another_bavg(tmp_path, objective_setup):
+    from hqekv.calibrate import run_study
+
+    _, _, _, objective = objective_setup
+    storage = f"sqlite:///{tmp_path / 's.db'}"
+    run_study(objective, 2.0, trials=2, storage=storage, name="same", progress=False)
+    with pytest.raises(ValueError, match="bavg=2"):
+        run_study(objective, 3.2, trials=2, storage=storage, name="same", progress=False)
+
