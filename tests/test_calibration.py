@@ -6,7 +6,7 @@ import torch
 import hqekv
 from hqekv import FP16_RATIOS, uncalibrated_ratios
 from hqekv.artifacts import load_artifact
-from hqekv.calibrate import (
+from hqekv.calibration import (
     CompressionObjective,
     calibrate,
     ratios_from_free,
@@ -130,7 +130,7 @@ def test_calibrate_end_to_end_then_resume(tmp_path):
     assert (tmp_path / first.path.name.replace(".safetensors", ".history.png")).is_file()
 
     hqekv.patch_model(model, artifact=first.path)
-    config = model._hqekv_patch.config
+    config = hqekv.patch_config(model)
     assert config.ratios == first.ratios and config.bavg == 2.0 and config.ratios_source.startswith("artifact:")
     out = model.generate(torch.randint(1, 128, (1, 100)), max_new_tokens=40, do_sample=False)
     assert out.shape == (1, 140)
@@ -146,13 +146,13 @@ def test_calibrate_rejects_bad_bavg_before_any_work():
     with pytest.raises(ValueError, match="0 < bavg < 4"):
         calibrate(tiny_llama(), CharTokenizer(), [2.0, 5.0], trials=1)
     with pytest.raises(ValueError, match="trials"):
-        from hqekv.calibrate import run_study
+        from hqekv.calibration import run_study
 
         run_study(None, 2.0, trials=0)
 
 
 def test_study_refuses_another_bavg(tmp_path, objective_setup):
-    from hqekv.calibrate import run_study
+    from hqekv.calibration import run_study
 
     _, _, _, objective = objective_setup
     storage = f"sqlite:///{tmp_path / 's.db'}"

@@ -1,0 +1,228 @@
+import json
+import warnings
+
+import pytest
+import torch
+
+import hqekv
+from hqekv import artifacts
+from hqekv.artifacts import ArtifactError, load_artifact, model_fingerprint, save_artifact
+from hqekv.calibration import ratios_from_free
+from hqekv.cli import main
+
+from .conftest import tiny_llama
+
+RATIOS = ratios_from_free(2.0, 0.25, 0.1)
+
+
+def metadata(model, bavg=2.0, **overrides):
+    meta = {
+        "model_id": "tiny/llama",
+        "model_type": "llama",
+        "config_fingerprint": model_fingerprint(model),
+        "bavg": bavg,
+        "chunk_size": 32,
+        "window": 20,
+        "rerank_interval": 32,
+        "protected_chunks": 2,
+        "eviction": "joint",
+        "value_group": 32,
+        "alpha": 2.0,
+        "beta": 4.0,
+        "trials": 200,
+        "best_loss": 0.5,
+        "calibration_data": "test",
+        "calibration_data_sha256": "0" * 64,
+        "library_version": hqekv.__version__,
+    }
+    meta.update(overrides)
+    return meta
+
+
+@pytest.fixture
+def model():
+    return tiny_llama()
+
+
+@pytest.fixture
+def saved(tmp_path, model):
+    return save_artifact(tmp_path, RATIOS, metadata(model))
+
+
+def test_round_trip(saved, model):
+    a = load_artifact(saved)
+    assert saved.name == "llama-bavg2.safetensors"
+    assert a.ratios == RATIOS and a.bavg == 2.0
+    assert a.fingerprint == model_fingerprint(model)
+    assert a.metadata["trials"] == 200 and a.metadata["format_version"] == artifacts.FORMAT_VERSION
+
+
+def test_fingerprint_follows_the_architecture_only(model):
+    assert model_fingerprint(model) == model_fingerprint(tiny_llama(seed=5))  # same shapes, other weights
+    assert model_fingerprint(model) != model_fingerprint(tiny_llama(layers=3))
+    assert model_fingerprint(model) == model_fingerprint(model.config)
+
+
+def test_missing_file_is_a_clear_error(tmp_path):
+    with pytest.raises(ArtifactError, match="not found"):
+        load_artifact(tmp_path / "nope.safetensors")
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garbage", "header", "ratio-bytes"])
+def test_corrupted_file_is_a_clear_error(saved, damage):
+    data = bytearray(saved.read_bytes())
+    if damage == "truncate":
+        data = data[:-8]
+    elif damage == "garbage":
+        data = bytearray(b"not a safetensors file at all")
+    elif damage == "header":
+        data[10] ^= 0xFF
+    else:  # a flipped byte in the float64 ratios, past the header
+        data[-3] ^= 0x01
+    saved.write_bytes(bytes(data))
+    with pytest.raises(ArtifactError):
+        load_artifact(saved)
+
+
+def test_not_an_hqekv_artifact(tmp_path):
+    from safetensors.torch import save_file
+
+    path = tmp_path / "other.safetensors"
+    save_file({"ratios": torch.zeros(5, dtype=torch.float64)}, str(path), metadata={"format": json.dumps("x")})
+    with pytest.raises(ArtifactError, match="not an hqekv"):
+        load_artifact(path)
+
+
+def test_save_refuses_inconsistent_metadata(tmp_path, model):
+    with pytest.raises(ArtifactError, match="bavg"):
+        save_artifact(tmp_path, RATIOS, metadata(model, bavg=3.2))
+    meta = metadata(model)
+    del meta["calibration_data_sha256"]
+    with pytest.raises(ArtifactError, match="lacks"):
+        save_artifact(tmp_path, RATIOS, meta)
+
+
+def test_patch_model_loads_a_file_and_takes_its_bavg(saved, model):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        hqekv.patch_model(model, artifact=saved)
+    config = hqekv.patch_config(model)
+    assert config.ratios == RATIOS and config.bavg == 2.0 and config.ratios_source == f"artifact:{saved}"
+
+
+def test_patch_model_rejects_wrong_model_bavg_and_settings(saved):
+    with pytest.raises(ArtifactError, match="calibrated for 'tiny/llama'"):
+        hqekv.patch_model(tiny_llama(layers=3), artifact=saved)
+    with pytest.raises(ArtifactError, match="not bavg=3.2"):
+        hqekv.patch_model(tiny_llama(), 3.2, artifact=saved)
+    with pytest.raises(ArtifactError, match="window: artifact 20 vs 16"):
+        hqekv.patch_model(tiny_llama(), artifact=saved, window=16)
+    with pytest.raises(ValueError, match="not both"):
+        hqekv.patch_model(tiny_llama(), artifact=saved, ratios=RATIOS)
+    model = tiny_llama()
+    with pytest.raises(ArtifactError, match="no such file"):
+        hqekv.patch_model(model, artifact="/does/not/exist.safetensors")
+    assert not hqekv.is_patched(model)
+
+
+def test_directory_picks_the_bavg(tmp_path, model):
+    r32 = ratios_from_free(3.2, 0.05, 0.05)
+    save_artifact(tmp_path, RATIOS, metadata(model))
+    save_artifact(tmp_path, r32, metadata(model, bavg=3.2))
+    hqekv.patch_model(model, 3.2, artifact=tmp_path)
+    assert hqekv.patch_config(model).ratios == r32
+    hqekv.unpatch_model(model)
+    hqekv.patch_model(model, artifact=tmp_path)  # no bavg: the default, 3.2
+    assert hqekv.patch_config(model).ratios == r32
+    hqekv.unpatch_model(model)
+    with pytest.raises(ArtifactError, match="bavg=2.8.*tiny/llama bavg=2"):
+        hqekv.patch_model(model, 2.8, artifact=tmp_path)
+
+
+def test_hub_repo_id_resolves_offline_from_the_hub_cache(tmp_path, model, monkeypatch):
+    import huggingface_hub.constants as hub
+
+    commit = "a" * 40
+    repo = tmp_path / "hub" / "models--someone--tiny-hqekv"
+    snapshot = repo / "snapshots" / commit
+    save_artifact(snapshot, RATIOS, metadata(model))
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    monkeypatch.setattr(hub, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(hub, "HF_HUB_OFFLINE", True)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    hqekv.patch_model(model, 2.0, artifact="someone/tiny-hqekv")
+    assert hqekv.patch_config(model).ratios == RATIOS
+    hqekv.unpatch_model(model)
+    with pytest.raises(ArtifactError, match="Hub repo 'someone/absent'"):
+        hqekv.patch_model(model, 2.0, artifact="someone/absent")
+
+
+def test_shipped_artifacts_resolve_without_arguments(tmp_path, model, monkeypatch):
+    monkeypatch.setattr(artifacts, "SHIPPED_DIR", tmp_path)
+    save_artifact(tmp_path, RATIOS, metadata(model))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        hqekv.patch_model(model, 2.0)
+    assert hqekv.patch_config(model).ratios == RATIOS
+    assert hqekv.patch_config(model).ratios_source == "shipped:llama-bavg2.safetensors"
+    hqekv.unpatch_model(model)
+    with pytest.warns(hqekv.UncalibratedRatiosWarning):  # another bavg: nothing shipped
+        hqekv.patch_model(model, 2.8)
+    hqekv.unpatch_model(model)
+    with pytest.warns(hqekv.UncalibratedRatiosWarning):  # other settings: the shipped ratios do not apply
+        hqekv.patch_model(model, 2.0, chunk_size=64, rerank_interval=64)
+
+
+def test_shipped_artifacts_are_valid():
+    for path in artifacts.shipped_artifacts():
+        a = load_artifact(path)
+        assert a.metadata["trials"] >= 200 and artifacts.report_path(path).is_file()
+
+
+def test_cli_info(saved, capsys):
+    assert main(["info", str(saved)]) == 0
+    out = capsys.readouterr().out
+    assert "tiny/llama" in out and "bavg" in out and "int2=" in out
+    assert main(["info", "--json", str(saved.parent)]) == 0
+    (record,) = json.loads(capsys.readouterr().out)
+    assert record["bavg"] == 2.0 and record["ratios"] == list(RATIOS.as_tuple())
+
+
+def test_cli_info_reports_a_corrupt_file(saved, capsys):
+    saved.write_bytes(b"junk")
+    assert main(["info", str(saved)]) == 2
+    assert "not a readable safetensors file" in capsys.readouterr().err
+
+
+def test_push_uploads_artifact_report_and_card(saved, monkeypatch):
+    import huggingface_hub
+
+    calls = []
+
+    class FakeApi:
+        def __init__(self, token=None):
+            calls.append(("init", token))
+
+        def create_repo(self, repo_id, **kw):
+            calls.append(("create_repo", repo_id, kw.get("exist_ok")))
+
+        def upload_file(self, path_or_fileobj, path_in_repo, repo_id):
+            data = path_or_fileobj if isinstance(path_or_fileobj, bytes) else open(path_or_fileobj, "rb").read()
+            calls.append(("upload", path_in_repo, repo_id, data))
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", FakeApi)
+    artifacts.report_path(saved).write_text("{}")
+    assert main(["push", str(saved), "--repo", "me/tiny-hqekv", "--token", "t"]) == 0
+    assert calls[0] == ("init", "t") and calls[1] == ("create_repo", "me/tiny-hqekv", True)
+    uploads = {c[1]: c[3] for c in calls if c[0] == "upload"}
+    assert uploads[saved.name] == saved.read_bytes()
+    assert set(uploads) == {saved.name, "llama-bavg2.report.json", "README.md"}
+    card = uploads["README.md"].decode()
+    assert "tiny/llama" in card and "calibration_data_sha256" in card and 'artifact="me/tiny-hqekv"' in card
+
+
+def test_push_refuses_a_corrupt_artifact(saved):
+    saved.write_bytes(b"junk")
+    with pytest.raises(ArtifactError):
+        artifacts.push_artifacts([saved], "me/x")
