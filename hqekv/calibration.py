@@ -265,11 +265,13 @@ def run_study(
     alpha: float = ALPHA,
     beta: float = BETA,
     progress: bool = True,
+    worker: int = 0,
 ) -> CalibrationResult:
     """Run (or continue) one TPE study until it holds ``trials`` completed trials.
 
     Infeasible samples (δ1 < 0 or δ2 < 0) are pruned without running the model. Several
     processes may run this on one RDB ``storage``; each stops once the study is complete.
+    The sampler is seeded with ``seed + worker`` so that workers propose different trials.
     """
     import optuna
     from optuna.trial import TrialState
@@ -285,7 +287,7 @@ def run_study(
         storage=storage,
         load_if_exists=True,
         direction="minimize",
-        sampler=optuna.samplers.TPESampler(seed=seed),
+        sampler=optuna.samplers.TPESampler(seed=seed + worker),
     )
     stored = study.user_attrs.get("bavg")
     if stored is not None and abs(stored - bavg) > 1e-9:
@@ -322,10 +324,17 @@ def run_study(
         bar.update(min(now, trials) - min(done, trials))
         done = now
     bar.close()
-    return _result(study, bavg, trials)
+    return _result(study, bavg)
 
 
-def _result(study, bavg: float, trials: int) -> CalibrationResult:
+def study_result(storage: str, name: str, bavg: float) -> CalibrationResult:
+    """The result of a study as it stands in ``storage`` (e.g. once every worker is done)."""
+    import optuna
+
+    return _result(optuna.load_study(study_name=name, storage=storage), bavg)
+
+
+def _result(study, bavg: float) -> CalibrationResult:
     from optuna.trial import TrialState
 
     history = []
@@ -371,6 +380,8 @@ def calibrate(
     beta: float = BETA,
     model_id: str | None = None,
     progress: bool = True,
+    barrier=None,
+    worker: int = 0,
     **settings,
 ) -> CalibrationResult | list[CalibrationResult]:
     """Find the tier ratios of ``model`` at each ``bavg`` by TPE (SPEC §1.5).
@@ -395,6 +406,11 @@ def calibrate(
         Penalties on δ3 and δ4 in the objective.
     model_id : str, optional
         Recorded in the artifact; defaults to the model's ``name_or_path``.
+    barrier : callable, optional
+        With several workers on one ``storage``: called when this worker's study is done
+        (e.g. ``accelerate.PartialState().wait_for_everyone``); the result is then read
+        back from the storage, so that it covers every worker's trials. Give ``out`` to one
+        worker only, and each its own ``worker`` index (it offsets the sampler seed).
     **settings : HqeKVConfig fields other than the ratios (chunk_size, window, ...)
 
     Returns one :class:`CalibrationResult` per bavg (a list if ``bavg`` is a sequence).
@@ -403,6 +419,8 @@ def calibrate(
     from .artifacts import model_fingerprint, save_artifact, write_report
     from .data import calibration_text
 
+    if barrier is not None and storage is None:
+        raise ValueError("workers that share a study need a shared storage URL")
     single = not isinstance(bavg, (list, tuple))
     values = [check_bavg(b) for b in ([bavg] if single else bavg)]
     for b in values:
@@ -416,8 +434,12 @@ def calibrate(
         name = study_name(fingerprint, b, objective.settings, seed)
         start = time.perf_counter()
         result = run_study(
-            objective, b, trials=trials, storage=storage, name=name, seed=seed, alpha=alpha, beta=beta, progress=progress
+            objective, b, trials=trials, storage=storage, name=name, seed=seed, alpha=alpha, beta=beta, progress=progress,
+            worker=worker,
         )
+        if barrier is not None:
+            barrier()
+            result = study_result(storage, name, b)
         result.metadata = {
             "model_id": model_id or getattr(model.config, "_name_or_path", "") or model.config.model_type,
             "model_type": model.config.get_text_config().model_type,

@@ -1,4 +1,4 @@
-"""The ``hqekv`` command line: calibrate, info, push."""
+"""The ``hqekv`` command line: calibrate, eval, info, push."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from .calibration import ALPHA, BETA, CONTEXT_TOKENS, CONTINUATION_TOKENS, DEFAULT_TRIALS
+from .eval.runner import DEFAULT_METHODS, DEFAULT_TASKS
 
 
 def _add_model_args(p: argparse.ArgumentParser, required: bool = True) -> None:
@@ -29,7 +30,7 @@ def _add_settings_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--value-group", type=int, default=32)
 
 
-def _settings(args) -> dict:
+def settings_from_args(args) -> dict:
     names = ("chunk_size", "window", "rerank_interval", "protected_chunks", "eviction", "value_group")
     return {n: getattr(args, n) for n in names}
 
@@ -55,6 +56,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, help="torch CPU threads")
     p.add_argument("--no-progress", action="store_true")
     _add_settings_args(p)
+
+    p = sub.add_parser("eval", help="score KV-cache methods on tasks at equal memory: JSON, markdown table, plots")
+    _add_model_args(p)
+    p.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), help="fp16, kivi:B, evict:B, hqekv:B")
+    p.add_argument("--tasks", nargs="+", default=list(DEFAULT_TASKS), help="needle, squad, ppl")
+    p.add_argument("--samples", type=int, default=4, help="samples per task (default %(default)s)")
+    p.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048], help="prompt lengths in tokens")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", required=True, help="directory for results.json, results.md and plots")
+    p.add_argument("--threads", type=int, help="torch CPU threads")
+    p.add_argument("--no-progress", action="store_true")
 
     p = sub.add_parser("info", help="what an artifact (file or directory) or a model holds")
     p.add_argument("paths", nargs="*", help="artifact files or directories")
@@ -95,13 +107,54 @@ def _calibrate(args) -> int:
         beta=args.beta,
         model_id=args.model_id or model_id,
         progress=not args.no_progress,
-        **_settings(args),
+        **settings_from_args(args),
     )
     for r in results:
         print(f"bavg={r.bavg:g}: {r.ratios.describe()}  best loss {r.best_loss:.5f} (KL {r.best_kl:.5f}), "
               f"{r.trials} trials -> {r.path}")
     print(f"study storage: {storage}")
     return 0
+
+
+def _eval(args) -> int:
+    import torch
+
+    from .eval import evaluate, parse_method, write_results
+    from .models import load_model
+
+    methods = [parse_method(m) for m in args.methods]  # bad specs fail before the model loads
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, tokenizer, model_id = load_model(args.model, args.gguf_file)
+    records = evaluate(
+        model, tokenizer, methods, args.tasks, samples=args.samples, lengths=args.lengths, seed=args.seed,
+        progress=not args.no_progress,
+    )
+    settings = eval_settings(args, args.model_id or model_id, model)
+    payload = write_results(records, args.out, settings)
+    print((Path(args.out) / "results.md").read_text())
+    print(f"wrote {args.out}/results.json ({len(payload['records'])} records), results.md and plots")
+    return 0
+
+
+def eval_settings(args, model_id: str, model) -> dict:
+    """What a results file records about the run."""
+    from . import __version__
+
+    argv = ["eval", "--model", args.model, *(["--gguf-file", args.gguf_file] if args.gguf_file else []),
+            "--methods", *args.methods, "--tasks", *args.tasks, "--samples", str(args.samples),
+            "--lengths", *map(str, args.lengths), "--seed", str(args.seed), "--out", str(args.out)]
+    return {
+        "model_id": model_id,
+        "model_dtype": str(model.dtype),
+        "methods": list(args.methods),
+        "tasks": list(args.tasks),
+        "samples": args.samples,
+        "lengths": list(args.lengths),
+        "seed": args.seed,
+        "library_version": __version__,
+        "command": "hqekv " + " ".join(argv),
+    }
 
 
 def _info(args) -> int:
@@ -158,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
-        return {"calibrate": _calibrate, "info": _info, "push": _push}[args.command](args)
+        return {"calibrate": _calibrate, "eval": _eval, "info": _info, "push": _push}[args.command](args)
     except ArtifactError as err:
         print(f"hqekv {args.command}: {err}", file=sys.stderr)
         return 2

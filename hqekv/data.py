@@ -50,6 +50,22 @@ def squad_articles() -> tuple[tuple[str, str], ...]:
     return tuple(articles)
 
 
+@functools.lru_cache(maxsize=None)
+def squad_qa() -> tuple[tuple[str, tuple[tuple[str, tuple[dict, ...]], ...]], ...]:
+    """SQuAD v2 dev by article: (title, ((paragraph, answerable questions), ...)), file order.
+
+    Each question is SQuAD's dict (``question``, ``id``, ``answers``); unanswerable ones are dropped.
+    """
+    out = []
+    for article in _read_json("squad.json")["data"]:
+        paragraphs = tuple(
+            (p["context"].strip(), tuple(q for q in p["qas"] if q["answers"] and not q.get("is_impossible")))
+            for p in article["paragraphs"]
+        )
+        out.append((article["title"].replace("_", " "), paragraphs))
+    return tuple(out)
+
+
 @dataclass(frozen=True)
 class CalibrationText:
     """Token ids of the calibration context and its held continuation, and where they came from.

@@ -47,8 +47,8 @@ def test_passkey_survives_compression(smollm2, bavg, seed, depth):
     baseline = tok.decode(_generate(model, inputs, 12)[0, n_prompt:])
     assert passkey in baseline, f"uncompressed model misses the pass key: {baseline!r}"
 
-    with pytest.warns(hqekv.UncalibratedRatiosWarning):
-        hqekv.patch_model(model, bavg=bavg)
+    hqekv.patch_model(model, bavg=bavg)  # the calibrated ratios shipped for SmolLM2
+    assert hqekv.patch_config(model).ratios_source.startswith("shipped:")
     try:
         cache = hqekv.new_cache(model)
         with torch.no_grad():
@@ -62,3 +62,26 @@ def test_passkey_survives_compression(smollm2, bavg, seed, depth):
     # compression really happened, at about the bits asked for (plus top-2 FP16 chunks and tail)
     assert bavg <= report.bavg <= bavg + 0.6
     assert report.total_bytes < 0.45 * report.fp16_bytes
+
+
+def test_shipped_artifacts_cover_smollm2_at_every_advertised_bavg(smollm2):
+    import warnings
+
+    from hqekv.artifacts import find_shipped, model_fingerprint
+
+    model, _ = smollm2
+    settings = {"chunk_size": 32, "window": 20, "rerank_interval": 32, "protected_chunks": 2,
+                "eviction": "joint", "value_group": 32}
+    for bavg in (2.0, 2.8, 3.2, 3.25):
+        artifact = find_shipped(model_fingerprint(model), bavg, settings)
+        assert artifact is not None, f"no shipped artifact for SmolLM2 at bavg={bavg}"
+        assert artifact.metadata["model_id"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+        assert artifact.metadata["trials"] >= 200 and artifact.metadata["context_tokens"] >= 16000
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no UncalibratedRatiosWarning
+        hqekv.patch_model(model)
+    try:
+        config = hqekv.patch_config(model)
+        assert config.bavg == hqekv.DEFAULT_BAVG and config.ratios_source.startswith("shipped:")
+    finally:
+        hqekv.unpatch_model(model)

@@ -1,0 +1,90 @@
+"""KV-cache methods compared by the evaluation, all through the same cache machinery.
+
+- ``fp16``: the unpatched model and its own dense cache (in the model dtype).
+- ``kivi:B``: every chunk uniform B-bit (B in 2, 4; 1 is the normalized 1-bit tier), keys
+  per channel and values per token as in KIVI, the newest ``len % 32`` tokens kept as an
+  FP16 residual; no FP16 chunks on top.
+- ``evict:B``: eviction only. Chunks are kept in full precision or evicted, ranked by the
+  window queries' attention (SnapKV/H2O-style, ``eviction="key"``); the kept share is
+  ``(B + 1) / 16``, the real bytes per element of ``kivi:B`` (B code bits plus one bit of
+  fp16 scale and zero per 32-element group), so the two cost the same memory.
+- ``hqekv:B``: ``patch_model(model, B)``: calibrated ratios when an artifact fits,
+  else the documented uncalibrated fallback (the result records which).
+
+Every result also records the *measured* bytes and effective bits, which is what the
+plots compare on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import warnings
+from dataclasses import dataclass
+
+from ..config import TierRatios, check_bavg
+
+KINDS = ("fp16", "kivi", "evict", "hqekv")
+KIVI_BITS = {4: "int4", 2: "int2", 1: "int1"}
+METADATA_BITS = 1.0
+"""fp16 scale + zero per 32-element group: the real bits per element a uniform tier adds."""
+
+
+@dataclass(frozen=True)
+class Method:
+    """One KV-cache method at one bit-width: ``kind`` in KINDS, ``bits`` None for fp16."""
+
+    kind: str
+    bits: float | None = None
+
+    @property
+    def name(self) -> str:
+        return self.kind if self.bits is None else f"{self.kind}:{self.bits:g}"
+
+    def patch_kwargs(self) -> dict | None:
+        """Arguments of :func:`hqekv.patch_model` for this method; None for fp16 (unpatched)."""
+        if self.kind == "fp16":
+            return None
+        if self.kind == "kivi":
+            return {"ratios": TierRatios(**{KIVI_BITS[int(self.bits)]: 1.0}), "protected_chunks": 0}
+        if self.kind == "evict":
+            keep = min(1.0, (self.bits + METADATA_BITS) / 16)
+            return {"ratios": TierRatios(fp16=keep, evict=1 - keep), "eviction": "key"}
+        return {"bavg": self.bits}
+
+    @contextlib.contextmanager
+    def applied(self, model):
+        """Patch ``model`` for this method for the duration of the block (fp16: leave it as is)."""
+        from ..patching import patch_config, patch_model, unpatch_model
+
+        kwargs = self.patch_kwargs()
+        if kwargs is None:
+            yield None
+            return
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the ratios' source is recorded instead
+            patch_model(model, **kwargs)
+        try:
+            yield patch_config(model)
+        finally:
+            unpatch_model(model)
+
+
+def parse_method(spec: str) -> Method:
+    """``"fp16"``, ``"kivi:2"``, ``"evict:3.2"``, ``"hqekv:2.8"`` -> :class:`Method`."""
+    match = re.fullmatch(r"(\w+)(?::([0-9.]+))?", spec.strip())
+    if not match or match.group(1) not in KINDS:
+        raise ValueError(f"unknown method {spec!r}; use fp16, kivi:B (B in 1, 2, 4), evict:B or hqekv:B")
+    kind, bits = match.group(1), match.group(2)
+    if kind == "fp16":
+        if bits is not None:
+            raise ValueError("fp16 takes no bit-width")
+        return Method("fp16")
+    if bits is None:
+        raise ValueError(f"{kind} needs a bit-width, e.g. {kind}:2")
+    value = check_bavg(float(bits))
+    if kind == "kivi" and value not in KIVI_BITS:
+        raise ValueError(f"kivi stores every chunk at one tier: B must be 1, 2 or 4, got {bits}")
+    if kind == "evict" and value + METADATA_BITS > 16:
+        raise ValueError(f"evict:B keeps (B + 1)/16 of the chunks: B must be at most 15, got {bits}")
+    return Method(kind, value)

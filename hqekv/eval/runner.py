@@ -1,0 +1,187 @@
+"""Run tasks × methods, summarize per method and task, write JSON, a markdown table and plots."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from .methods import Method, parse_method
+from .tasks import TASKS, f1_score
+
+DEFAULT_METHODS = ("fp16", "kivi:2", "kivi:4", "evict:2", "hqekv:2", "hqekv:3.2")
+DEFAULT_TASKS = ("needle", "squad", "ppl")
+RESULTS_VERSION = 1
+
+
+def cache_memory(cache) -> dict:
+    """Real bytes of a cache after a run, and bits per stored K/V element."""
+    from ..cache import HqeKVCache
+
+    if isinstance(cache, HqeKVCache):
+        r = cache.memory_report()
+        return {"cache_bytes": r.total_bytes, "elements": r.elements, "effective_bits": r.effective_bits, "bavg": r.bavg}
+    tensors = [t for layer in cache.layers for t in (layer.keys, layer.values)]
+    nbytes = sum(t.nbytes for t in tensors)
+    elements = sum(t.numel() for t in tensors)
+    bits = 8 * tensors[0].element_size()
+    return {"cache_bytes": nbytes, "elements": elements, "effective_bits": 8 * nbytes / elements, "bavg": bits}
+
+
+def evaluate(
+    model,
+    tokenizer,
+    methods: Sequence[str | Method] = DEFAULT_METHODS,
+    tasks: Sequence[str] = DEFAULT_TASKS,
+    *,
+    samples: int = 4,
+    lengths: Sequence[int] = (1024, 2048),
+    seed: int = 0,
+    shard: tuple[int, int] = (0, 1),
+    progress: bool = True,
+) -> list[dict]:
+    """Per-sample records of every method on every task (this shard's samples only).
+
+    Samples are generated from ``seed`` and split round-robin: shard ``(rank, world)``
+    runs samples ``rank, rank + world, ...``, so the shards of one run merge into it.
+    """
+    from tqdm.auto import tqdm
+
+    methods = [m if isinstance(m, Method) else parse_method(m) for m in methods]
+    unknown = [t for t in tasks if t not in TASKS]
+    if unknown:
+        raise ValueError(f"unknown tasks {unknown}; available: {', '.join(TASKS)}")
+    if samples < 1 or not lengths or min(lengths) < 64:
+        raise ValueError(f"need samples >= 1 and lengths >= 64 tokens, got samples={samples}, lengths={list(lengths)}")
+    rank, world = shard
+    records = []
+    for task_name in tasks:
+        task = TASKS[task_name]
+        mine = list(enumerate(task.samples(tokenizer, samples, list(lengths), seed)))[rank::world]
+        for method in methods:
+            with method.applied(model) as config:
+                for index, sample in tqdm(mine, desc=f"{task_name} {method.name}", disable=not progress):
+                    record, cache = task.run(model, tokenizer, sample)
+                    record.update(cache_memory(cache))
+                    del cache
+                    record.update(
+                        task=task_name,
+                        method=method.name,
+                        index=index,
+                        sample=sample.id,
+                        prompt_tokens=int(sample.input_ids.shape[1]),
+                        ratios_source=None if config is None else config.ratios_source,
+                        ratios=None if config is None else config.ratios.describe(),
+                        **sample.meta,
+                    )
+                    records.append(record)
+    return records
+
+
+def _mean(values):
+    values = [v for v in values if v is not None]
+    return statistics.fmean(values) if values else None
+
+
+def summarize(records: list[dict]) -> list[dict]:
+    """One row per (task, method), in first-seen order; agreement is with the fp16 prediction."""
+    records = sorted(records, key=lambda r: (r["task"], r["index"]))
+    reference = {(r["task"], r["index"]): r.get("prediction") for r in records if r["method"] == "fp16"}
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for r in records:
+        groups.setdefault((r["task"], r["method"]), []).append(r)
+    rows = []
+    for (task, method), rs in groups.items():
+        row = {
+            "task": task,
+            "method": method,
+            "metric": TASKS[task].metric,
+            "higher_is_better": TASKS[task].higher_is_better,
+            "samples": len(rs),
+            "score": _mean(r["score"] for r in rs),
+            "cache_bytes": _mean(r["cache_bytes"] for r in rs),
+            "effective_bits": _mean(r["effective_bits"] for r in rs),
+            "bavg": _mean(r["bavg"] for r in rs),
+            "prefill_s": _mean(r["prefill_s"] for r in rs),
+            "decode_tokens_per_s": _mean(r.get("decode_tokens_per_s") for r in rs),
+            "ratios_source": rs[0]["ratios_source"],
+            "ratios": rs[0]["ratios"],
+        }
+        if task == "squad":
+            row["em"] = _mean(r["em"] for r in rs)
+        if task == "ppl":
+            row["score"] = float(torch.tensor([r["nll"] for r in rs]).mean().exp())  # ppl of the pooled NLL
+        agree = [(r["prediction"], reference.get((task, r["index"]))) for r in rs if "prediction" in r]
+        if agree and all(ref is not None for _, ref in agree):
+            row["agreement_with_fp16"] = _mean(f1_score(p, ref) if task == "squad" else float(p == ref) for p, ref in agree)
+        rows.append(row)
+    return rows
+
+
+def markdown_table(rows: list[dict]) -> str:
+    """Markdown tables, one per task."""
+    lines = []
+    for task in dict.fromkeys(r["task"] for r in rows):
+        rs = [r for r in rows if r["task"] == task]
+        direction = "higher" if rs[0]["higher_is_better"] else "lower"
+        lines += [
+            f"### {task}: {rs[0]['metric']} ({direction} is better)",
+            "",
+            "| method | score | agreement with fp16 | cache MiB | effective bits | bavg | prefill s | decode tok/s | ratios |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in rs:
+            agree = r.get("agreement_with_fp16")
+            tps = r["decode_tokens_per_s"]
+            lines.append(
+                f"| {r['method']} | {r['score']:.3f} | {'' if agree is None else f'{agree:.2f}'} | "
+                f"{r['cache_bytes'] / 2**20:.2f} | {r['effective_bits']:.2f} | {r['bavg']:.2f} | "
+                f"{r['prefill_s']:.2f} | {'' if tps is None else f'{tps:.1f}'} | {r['ratios_source'] or 'dense cache'} |"
+            )
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path) -> list[Path]:
+    """One PNG per task: score vs effective bits per element, one line per method family."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    for task in dict.fromkeys(r["task"] for r in rows):
+        rs = [r for r in rows if r["task"] == task]
+        fig, ax = plt.subplots(figsize=(5.5, 3.8), dpi=100)
+        for family in dict.fromkeys(r["method"].split(":")[0] for r in rs):
+            pts = sorted((r["effective_bits"], r["score"]) for r in rs if r["method"].split(":")[0] == family)
+            style = dict(marker="*", markersize=12, linestyle="none") if family == "fp16" else dict(marker="o")
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], label=family, **style)
+        ax.set_xlabel("effective bits per K/V element (real bytes)")
+        ax.set_ylabel(rs[0]["metric"])
+        ax.set_title(f"{task} ({'higher' if rs[0]['higher_is_better'] else 'lower'} is better)", fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        out = path / f"{task}.png"
+        fig.savefig(out)
+        plt.close(fig)
+        written.append(out)
+    return written
+
+
+def write_results(records: list[dict], out: Path | str, settings: dict) -> dict:
+    """results.json (settings, summary, every record), results.md and one plot per task in ``out``."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    records = sorted(records, key=lambda r: (r["task"], r["method"], r["index"]))
+    rows = summarize(records)
+    payload = {"version": RESULTS_VERSION, "settings": settings, "summary": rows, "records": records}
+    (out / "results.json").write_text(json.dumps(payload, indent=1) + "\n")
+    header = f"# hqekv eval: {settings.get('model_id', '')}\n\n```\n{settings.get('command', '')}\n```\n\n"
+    (out / "results.md").write_text(header + markdown_table(rows))
+    plot(rows, out)
+    return payload

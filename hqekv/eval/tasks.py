@@ -1,0 +1,258 @@
+"""Evaluation tasks, generated offline and seeded: needle, squad, ppl.
+
+Each task makes :class:`Sample` s from the offline texts (``hqekv.data``) and scores a
+model on one sample through :func:`greedy_generate` or :func:`continuation_nll`, which
+also time the prefill and the decode and return the cache for byte counting. Text used
+for calibration (the first SQuAD articles) is never used here.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import random
+import re
+import string
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .. import data
+
+CALIBRATION_ARTICLES = 4
+"""SQuAD articles [0, 4) hold the 16K-token calibration text; evaluation uses the rest."""
+
+
+@dataclass
+class Sample:
+    """One prompt: token ids (1, N), what a correct answer is, and how it was made."""
+
+    id: str
+    input_ids: torch.Tensor
+    answers: list[str] = field(default_factory=list)
+    meta: dict = field(default_factory=dict)
+    continuation: torch.Tensor | None = None  # (1, L) for ppl
+
+
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def greedy_generate(model, input_ids: torch.Tensor, max_new_tokens: int, eos_token_id=None):
+    """Greedy decoding by hand, timing prefill and decode apart.
+
+    input_ids (1, N) -> (new token ids (T,), prefill seconds, decode seconds, cache).
+    Stops after ``max_new_tokens`` or at ``eos_token_id``.
+    """
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        _sync()
+        start = time.perf_counter()
+        out = model(input_ids.to(device), use_cache=True, logits_to_keep=1)
+        _sync()
+        prefill_s = time.perf_counter() - start
+        cache = out.cache
+        token = out.logits[:, -1:].argmax(-1)
+        tokens = [token]
+        start = time.perf_counter()
+        while len(tokens) < max_new_tokens and not (eos_token_id is not None and int(token) == eos_token_id):
+            out = model(token, cache=cache, use_cache=True)
+            token = out.logits[:, -1:].argmax(-1)
+            tokens.append(token)
+        _sync()
+        decode_s = time.perf_counter() - start
+    return torch.cat(tokens, 1)[0], prefill_s, decode_s, cache
+
+
+def continuation_nll(model, context: torch.Tensor, continuation: torch.Tensor, step: int = 32):
+    """Negative log-likelihood of ``continuation`` (1, L) after ``context`` (1, N) held in the cache.
+
+    The continuation goes in ``step``-token forwards, so a compressed cache re-ranks between
+    them as in decoding. -> (per-token NLL (L,) float32, prefill seconds, seconds of the
+    continuation forwards, cache).
+    """
+    device = next(model.parameters()).device
+    context, continuation = context.to(device), continuation.to(device)
+    nll = []
+    with torch.no_grad():
+        _sync()
+        start = time.perf_counter()
+        out = model(context, use_cache=True, logits_to_keep=1)
+        _sync()
+        prefill_s = time.perf_counter() - start
+        cache = out.cache
+        last = out.logits[:, -1]  # predicts the first continuation token
+        start = time.perf_counter()
+        for i in range(0, continuation.shape[1], step):
+            piece = continuation[:, i : i + step]
+            step_logits = model(piece, cache=cache, use_cache=True).logits
+            logits = torch.cat([last[:, None], step_logits[:, :-1]], 1)
+            nll.append(torch.nn.functional.cross_entropy(logits[0].float(), piece[0], reduction="none"))
+            last = step_logits[:, -1]
+        _sync()
+        seconds = time.perf_counter() - start
+    return torch.cat(nll), prefill_s, seconds, cache
+
+
+# --- SQuAD answer scoring (the official normalization) -----------------------------------------
+
+
+def normalize_answer(text: str) -> str:
+    text = text.lower()
+    text = "".join(ch for ch in text if ch not in set(string.punctuation))
+    text = re.sub(r"\b(a|an|the)\b", " ", text)
+    return " ".join(text.split())
+
+
+def f1_score(prediction: str, truth: str) -> float:
+    pred, gold = normalize_answer(prediction).split(), normalize_answer(truth).split()
+    if not pred or not gold:
+        return float(pred == gold)
+    common = collections.Counter(pred) & collections.Counter(gold)
+    same = sum(common.values())
+    if same == 0:
+        return 0.0
+    precision, recall = same / len(pred), same / len(gold)
+    return 2 * precision * recall / (precision + recall)
+
+
+def exact_match(prediction: str, truth: str) -> float:
+    return float(normalize_answer(prediction) == normalize_answer(truth))
+
+
+def first_line(text: str) -> str:
+    return text.strip().split("\n")[0].strip()
+
+
+# --- tasks --------------------------------------------------------------------------------------
+
+
+class Task:
+    """A task: seeded samples, and one sample's score with its timings and cache."""
+
+    name = ""
+    higher_is_better = True
+    metric = ""
+
+    def samples(self, tokenizer, n: int, lengths: list[int], seed: int) -> list[Sample]:
+        raise NotImplementedError
+
+    def run(self, model, tokenizer, sample: Sample) -> tuple[dict, object]:
+        """-> (per-sample record with ``score`` and timings, cache)."""
+        raise NotImplementedError
+
+
+class NeedleTask(Task):
+    """Pass key hidden in the essays at several lengths and depths; exact match of the key."""
+
+    name, metric = "needle", "pass-key exact match"
+    depths = (0.25, 0.5, 0.75, 0.9)
+    max_new_tokens = 12
+
+    def samples(self, tokenizer, n, lengths, seed):
+        out = []
+        for i in range(n):
+            length, depth = lengths[i % len(lengths)], self.depths[(i // len(lengths)) % len(self.depths)]
+            prompt, key = data.passkey_prompt(tokenizer, length, depth=depth, seed=seed * 1000 + i)
+            ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False).input_ids
+            out.append(Sample(f"needle-{i}", ids, [key], {"length": length, "depth": depth}))
+        return out
+
+    def run(self, model, tokenizer, sample):
+        new, prefill_s, decode_s, cache = greedy_generate(model, sample.input_ids, self.max_new_tokens, tokenizer.eos_token_id)
+        text = tokenizer.decode(new, skip_special_tokens=True)
+        record = {"prediction": text, "score": float(sample.answers[0] in text)}
+        return _timed(record, prefill_s, decode_s, len(new)), cache
+
+
+class SquadTask(Task):
+    """SQuAD v2 questions; the gold paragraph among paragraphs of other articles, to a length.
+
+    Score: F1 against the gold answers (also EM, and agreement with the fp16 answer when the
+    run includes fp16). Only articles not used for calibration are read.
+    """
+
+    name, metric = "squad", "F1"
+    max_new_tokens = 24
+
+    def samples(self, tokenizer, n, lengths, seed):
+        articles = data.squad_qa()[CALIBRATION_ARTICLES:]
+        rng = random.Random(seed)
+        questions = [(ai, pi, qa) for ai, a in enumerate(articles) for pi, (_, qas) in enumerate(a[1]) for qa in qas]
+        out = []
+        for i, (ai, pi, qa) in enumerate(rng.sample(questions, n)):
+            length = lengths[i % len(lengths)]
+            gold = articles[ai][1][pi][0]
+            budget = length - len(tokenizer(gold, add_special_tokens=False).input_ids) - 80
+            others = [p for aj, a in enumerate(articles) if aj != ai for p, _ in a[1]]
+            rng.shuffle(others)
+            filler = []
+            for p in others:
+                cost = len(tokenizer(p, add_special_tokens=False).input_ids)
+                if cost > budget:
+                    break
+                filler.append(p)
+                budget -= cost
+            filler.insert(rng.randint(0, len(filler)), gold)
+            document = "\n\n".join(filler)
+            user = (
+                "Answer the question using the document. Reply with a short answer only.\n\n"
+                f"Document:\n{document}\n\nQuestion: {qa['question']}"
+            )
+            ids = tokenizer(data.chat(tokenizer, user), return_tensors="pt", add_special_tokens=False).input_ids
+            answers = [a["text"] for a in qa["answers"]]
+            out.append(Sample(f"squad-{qa['id']}", ids, answers, {"length": length, "question": qa["question"]}))
+        return out
+
+    def run(self, model, tokenizer, sample):
+        new, prefill_s, decode_s, cache = greedy_generate(model, sample.input_ids, self.max_new_tokens, tokenizer.eos_token_id)
+        text = first_line(tokenizer.decode(new, skip_special_tokens=True))
+        record = {
+            "prediction": text,
+            "score": max(f1_score(text, a) for a in sample.answers),
+            "em": max(exact_match(text, a) for a in sample.answers),
+        }
+        return _timed(record, prefill_s, decode_s, len(new)), cache
+
+
+class PerplexityTask(Task):
+    """Perplexity of 256 tokens that follow a long context of unseen SQuAD articles."""
+
+    name, metric, higher_is_better = "ppl", "perplexity", False
+    continuation_tokens = 256
+
+    def samples(self, tokenizer, n, lengths, seed):
+        articles = data.squad_articles()[CALIBRATION_ARTICLES:]
+        rng = random.Random(seed)
+        out = []
+        for i in range(n):
+            length = lengths[i % len(lengths)]
+            order = list(range(len(articles)))
+            rng.shuffle(order)
+            ids = []
+            for j in order:
+                ids += tokenizer(("\n\n" if ids else "") + articles[j][1], add_special_tokens=False).input_ids
+                if len(ids) >= length + self.continuation_tokens:
+                    break
+            ids = torch.tensor([ids[: length + self.continuation_tokens]])
+            out.append(Sample(f"ppl-{i}", ids[:, :length], [], {"length": length}, ids[:, length:]))
+        return out
+
+    def run(self, model, tokenizer, sample):
+        nll, prefill_s, seconds, cache = continuation_nll(model, sample.input_ids, sample.continuation)
+        mean = float(nll.mean())
+        record = {"nll": mean, "score": math.exp(mean)}
+        return _timed(record, prefill_s, None, None), cache
+
+
+def _timed(record: dict, prefill_s: float, decode_s: float | None, n_new: int | None) -> dict:
+    record["prefill_s"] = prefill_s
+    # the first new token comes from the prefill; the decode loop made the others
+    steps = (n_new - 1) if n_new else 0
+    record["decode_tokens_per_s"] = steps / decode_s if decode_s and steps else None
+    return record
+
+
+TASKS = {t.name: t for t in (NeedleTask(), SquadTask(), PerplexityTask())}

@@ -1,0 +1,149 @@
+"""hqekv eval: every method × task on SmolLM2 at short lengths, results files, sharding."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hqekv.eval import evaluate, parse_method, summarize, write_results
+from hqekv.eval.methods import Method
+from hqekv.eval.tasks import TASKS, exact_match, f1_score
+
+ROOT = Path(__file__).resolve().parents[1]
+METHODS = ["fp16", "hqekv:16", "kivi:2", "kivi:4", "evict:2", "hqekv:2", "hqekv:3.2"]
+LENGTHS = [384]
+
+
+def test_parse_method():
+    assert parse_method("fp16") == Method("fp16")
+    assert parse_method("kivi:2") == Method("kivi", 2.0)
+    assert parse_method("hqekv:3.2").name == "hqekv:3.2"
+    for bad in ["fp8", "kivi:3", "kivi", "fp16:2", "evict:16", "hqekv:0", "hqekv:x"]:
+        with pytest.raises(ValueError):
+            parse_method(bad)
+
+
+def test_equal_memory_settings():
+    kivi = parse_method("kivi:2").patch_kwargs()
+    assert kivi["ratios"].int2 == 1.0 and kivi["protected_chunks"] == 0
+    evict = parse_method("evict:2").patch_kwargs()
+    assert evict["ratios"].fp16 == pytest.approx(3 / 16) and evict["eviction"] == "key"
+    assert parse_method("fp16").patch_kwargs() is None
+
+
+def test_squad_scoring():
+    assert f1_score("The Eiffel Tower!", "eiffel tower") == 1.0
+    assert exact_match("the Tower", "Tower.") == 1.0
+    assert f1_score("Paris France", "Paris") == pytest.approx(2 / 3)
+    assert f1_score("", "Paris") == 0.0
+
+
+def test_samples_are_seeded_and_exclude_calibration_text(smollm2):
+    _, tok = smollm2
+    from hqekv.data import calibration_text, squad_articles
+
+    calibration = set(calibration_text(tok, 16384, 128).articles)
+    for name, task in TASKS.items():
+        a = task.samples(tok, 3, [256, 384], seed=1)
+        b = task.samples(tok, 3, [256, 384], seed=1)
+        assert [s.input_ids.tolist() for s in a] == [s.input_ids.tolist() for s in b]
+        assert all(s.input_ids.shape[1] <= 384 + 200 for s in a), name
+    squad = TASKS["squad"].samples(tok, 6, [384], seed=0)
+    eval_text = " ".join(tok.decode(s.input_ids[0]) for s in squad)
+    for title, text in squad_articles():
+        if title in calibration:
+            assert text[:200] not in eval_text, f"calibration article {title!r} leaked into the squad task"
+
+
+@pytest.fixture(scope="module")
+def run(smollm2):
+    model, tok = smollm2
+    return evaluate(model, tok, METHODS, ["needle", "squad", "ppl"], samples=2, lengths=LENGTHS, progress=False)
+
+
+def test_every_method_and_task_gives_well_formed_results(run, tmp_path):
+    assert len(run) == len(METHODS) * 3 * 2
+    payload = write_results(run, tmp_path, {"model_id": "smollm2", "command": "hqekv eval ..."})
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert data == json.loads(json.dumps(payload))
+    assert len(data["summary"]) == len(METHODS) * 3
+    for row in data["summary"]:
+        assert row["samples"] == 2 and math.isfinite(row["score"]) and row["cache_bytes"] > 0
+        assert row["prefill_s"] > 0 and 0 < row["effective_bits"] <= 64
+        if row["task"] != "ppl":
+            assert row["decode_tokens_per_s"] is None or row["decode_tokens_per_s"] > 0
+            assert 0 <= row["score"] <= 1 and "agreement_with_fp16" in row
+    table = (tmp_path / "results.md").read_text()
+    for m in METHODS:
+        assert f"| {m} |" in table
+    for task in ("needle", "squad", "ppl"):
+        png = tmp_path / f"{task}.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_fp16_and_all_fp16_hqekv_score_identically(run):
+    by = {(r["task"], r["method"], r["index"]): r for r in run}
+    for (task, method, index), r in by.items():
+        if method != "hqekv:16":
+            continue
+        ref = by[(task, "fp16", index)]
+        assert r["ratios"].startswith("fp16=1")
+        if task == "ppl":
+            assert r["score"] == pytest.approx(ref["score"], rel=1e-4)
+        else:
+            assert r["prediction"] == ref["prediction"] and r["score"] == ref["score"]
+
+
+def test_compressed_methods_store_less_than_fp16(run):
+    rows = {(r["task"], r["method"]): r for r in summarize(run)}
+    for task in ("needle", "squad", "ppl"):
+        fp16 = rows[(task, "fp16")]["cache_bytes"]
+        for m in ("kivi:2", "evict:2", "hqekv:2"):
+            assert rows[(task, m)]["cache_bytes"] < 0.5 * fp16, (task, m)
+        assert rows[(task, "kivi:2")]["effective_bits"] < rows[(task, "kivi:4")]["effective_bits"]
+
+
+def test_shards_merge_into_the_one_process_run(smollm2, run):
+    model, tok = smollm2
+    methods = ["fp16", "hqekv:2"]
+    shards = [
+        r
+        for rank in range(2)
+        for r in evaluate(model, tok, methods, ["needle", "ppl"], samples=2, lengths=LENGTHS, shard=(rank, 2), progress=False)
+    ]
+    whole = [r for r in run if r["method"] in methods and r["task"] in ("needle", "ppl")]
+    key = lambda r: (r["task"], r["method"], r["index"])  # noqa: E731
+    fields = ("score", "cache_bytes", "effective_bits", "prediction", "sample")
+    assert [[r.get(f) for f in fields] for r in sorted(shards, key=key)] == [
+        [r.get(f) for f in fields] for r in sorted(whole, key=key)
+    ]
+
+
+def test_cli_eval_rejects_a_bad_method_before_loading(capsys):
+    from hqekv.cli import main
+
+    with pytest.raises(ValueError, match="unknown method"):
+        main(["eval", "--model", "smollm2", "--methods", "fp8", "--out", "/tmp/unused"])
+
+
+@pytest.mark.slow
+def test_accelerate_two_cpu_processes_equal_one(tmp_path):
+    common = ["--model", "smollm2", "--methods", "fp16", "hqekv:2", "--tasks", "needle", "ppl",
+              "--samples", "2", "--lengths", "256", "--no-progress"]
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "2",
+              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    subprocess.run([*launch, str(ROOT / "examples/accelerate/eval.py"), *common, "--out", str(tmp_path / "two")],
+                   check=True, env=env, cwd=ROOT, timeout=600)
+    subprocess.run([sys.executable, str(ROOT / "examples/accelerate/eval.py"), *common, "--out", str(tmp_path / "one")],
+                   check=True, env=env, cwd=ROOT, timeout=600)
+    two = json.loads((tmp_path / "two" / "results.json").read_text())
+    one = json.loads((tmp_path / "one" / "results.json").read_text())
+    assert two["settings"]["processes"] == 2 and one["settings"]["processes"] == 1
+    fields = ("task", "method", "index", "sample", "score", "cache_bytes", "prediction")
+    assert [[r.get(f) for f in fields] for r in two["records"]] == [[r.get(f) for f in fields] for r in one["records"]]
+    assert [(r["method"], r["score"]) for r in two["summary"]] == [(r["method"], r["score"]) for r in one["summary"]]
