@@ -4,7 +4,6 @@ import json
 
 import pytest
 
-import hqekv
 from hqekv.data import passkey_prompt
 
 pytestmark = pytest.mark.slow

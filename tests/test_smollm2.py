@@ -85,3 +85,16 @@ def test_shipped_artifacts_cover_smollm2_at_every_advertised_bavg(smollm2):
         assert config.bavg == hqekv.DEFAULT_BAVG and config.ratios_source.startswith("shipped:")
     finally:
         hqekv.unpatch_model(model)
+
+
+def test_cli_info_on_the_model_lists_its_shipped_artifacts(capsys):
+    import json
+
+    from hqekv.cli import main
+
+    assert main(["info", "--model", "smollm2", "--json"]) == 0
+    (record,) = json.loads(capsys.readouterr().out)
+    assert record["supported"] and record["num_key_value_heads"] == 3 and record["head_dim"] == 64
+    assert sorted(record["shipped_artifacts"]) == sorted(
+        f"smollm2-135m-instruct-bavg{b}.safetensors" for b in ("2", "2.8", "3.2", "3.25")
+    )

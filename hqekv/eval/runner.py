@@ -50,6 +50,10 @@ def evaluate(
     """
     from tqdm.auto import tqdm
 
+    from ..patching import is_patched
+
+    if is_patched(model):
+        raise ValueError("evaluate an unpatched model: each method patches it for its own runs")
     methods = [m if isinstance(m, Method) else parse_method(m) for m in methods]
     unknown = [t for t in tasks if t not in TASKS]
     if unknown:
