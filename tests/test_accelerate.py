@@ -15,12 +15,12 @@ pytestmark = pytest.mark.slow
 
 
 def launch(processes: int, script: str, *args: str) -> None:
-    """Run examples/accelerate/SCRIPT under ``accelerate launch --cpu`` (or plainly for 1 process)."""
+    """Run examples/accelerate/SCRIPT under ``accelerate launch`` on CPU workers (plainly for 1 process)."""
     path = str(ROOT / "examples" / "accelerate" / script)
     if processes == 1:
         command = [sys.executable, path, *args]
     else:
-        command = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", str(processes),
+        command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(processes),
                    "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", path, *args]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     subprocess.run(command, check=True, env=env, cwd=ROOT, timeout=900)

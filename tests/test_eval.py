@@ -27,6 +27,7 @@ def test_equal_memory_settings():
     assert kivi["ratios"].int2 == 1.0 and kivi["protected_chunks"] == 0
     evict = parse_method("evict:2").patch_kwargs()
     assert evict["ratios"].fp16 == pytest.approx(3 / 16) and evict["eviction"] == "key"
+    assert parse_method("evict:2").patch_kwargs(dtype_bits=32)["ratios"].fp16 == pytest.approx(3 / 32)
     assert parse_method("fp16").patch_kwargs() is None
 
 

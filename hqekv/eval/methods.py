@@ -4,10 +4,11 @@
 - ``kivi:B``: every chunk uniform B-bit (B in 2, 4; 1 is the normalized 1-bit tier), keys
   per channel and values per token as in KIVI, the newest ``len % 32`` tokens kept as an
   FP16 residual; no FP16 chunks on top.
-- ``evict:B``: eviction only. Chunks are kept in full precision or evicted, ranked by the
-  window queries' attention (SnapKV/H2O-style, ``eviction="key"``); the kept share is
-  ``(B + 1) / 16``, the real bytes per element of ``kivi:B`` (B code bits plus one bit of
-  fp16 scale and zero per 32-element group), so the two cost the same memory.
+- ``evict:B``: eviction only. Chunks are kept in full precision (the model dtype) or
+  evicted, ranked by the window queries' attention (SnapKV/H2O-style,
+  ``eviction="key"``); the kept share is ``(B + 1) / bits of the model dtype``: ``kivi:B``
+  stores B code bits plus one bit of fp16 scale and zero per 32-element group, so the two
+  cost the same memory (16-bit models keep (B + 1)/16, fp32 ones (B + 1)/32).
 - ``hqekv:B``: ``patch_model(model, B)``: calibrated ratios when an artifact fits,
   else the documented uncalibrated fallback (the result records which).
 
@@ -41,14 +42,17 @@ class Method:
     def name(self) -> str:
         return self.kind if self.bits is None else f"{self.kind}:{self.bits:g}"
 
-    def patch_kwargs(self) -> dict | None:
-        """Arguments of :func:`hqekv.patch_model` for this method; None for fp16 (unpatched)."""
+    def patch_kwargs(self, dtype_bits: int = 16) -> dict | None:
+        """Arguments of :func:`hqekv.patch_model` for this method; None for fp16 (unpatched).
+
+        ``dtype_bits``: bits per element of the model dtype, what a full-precision chunk costs.
+        """
         if self.kind == "fp16":
             return None
         if self.kind == "kivi":
             return {"ratios": TierRatios(**{KIVI_BITS[int(self.bits)]: 1.0}), "protected_chunks": 0}
         if self.kind == "evict":
-            keep = min(1.0, (self.bits + METADATA_BITS) / 16)
+            keep = min(1.0, (self.bits + METADATA_BITS) / dtype_bits)
             return {"ratios": TierRatios(fp16=keep, evict=1 - keep), "eviction": "key"}
         return {"bavg": self.bits}
 
@@ -57,7 +61,7 @@ class Method:
         """Patch ``model`` for this method for the duration of the block (fp16: leave it as is)."""
         from ..patching import patch_config, patch_model, unpatch_model
 
-        kwargs = self.patch_kwargs()
+        kwargs = self.patch_kwargs(8 * model.dtype.itemsize)
         if kwargs is None:
             yield None
             return

@@ -85,6 +85,13 @@ def evaluate(
     return records
 
 
+def sort_records(records: list[dict], tasks=None, methods=None) -> list[dict]:
+    """Records in task order, then method order (as the run listed them), then sample order."""
+    tasks = {t: i for i, t in enumerate(tasks or dict.fromkeys(r["task"] for r in records))}
+    methods = {parse_method(m).name: i for i, m in enumerate(methods or dict.fromkeys(r["method"] for r in records))}
+    return sorted(records, key=lambda r: (tasks.get(r["task"], len(tasks)), methods.get(r["method"], len(methods)), r["index"]))
+
+
 def _mean(values):
     values = [v for v in values if v is not None]
     return statistics.fmean(values) if values else None
@@ -92,7 +99,6 @@ def _mean(values):
 
 def summarize(records: list[dict]) -> list[dict]:
     """One row per (task, method), in first-seen order; agreement is with the fp16 prediction."""
-    records = sorted(records, key=lambda r: (r["task"], r["index"]))
     reference = {(r["task"], r["index"]): r.get("prediction") for r in records if r["method"] == "fp16"}
     groups: dict[tuple[str, str], list[dict]] = {}
     for r in records:
@@ -162,8 +168,13 @@ def plot(rows: list[dict], path: Path) -> list[Path]:
         fig, ax = plt.subplots(figsize=(5.5, 3.8), dpi=100)
         for family in dict.fromkeys(r["method"].split(":")[0] for r in rs):
             pts = sorted((r["effective_bits"], r["score"]) for r in rs if r["method"].split(":")[0] == family)
-            style = dict(marker="*", markersize=12, linestyle="none") if family == "fp16" else dict(marker="o")
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], label=family, **style)
+            if family == "fp16":  # a reference level: its bits would stretch the axis
+                ax.axhline(pts[0][1], color="gray", linestyle="--", label=f"fp16 ({pts[0][0]:.0f} bits)")
+                continue
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=family)
+            for (x, y), r in zip(pts, sorted((r for r in rs if r["method"].split(":")[0] == family),
+                                             key=lambda r: r["effective_bits"])):
+                ax.annotate(r["method"].split(":")[1], (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
         ax.set_xlabel("effective bits per K/V element (real bytes)")
         ax.set_ylabel(rs[0]["metric"])
         ax.set_title(f"{task} ({'higher' if rs[0]['higher_is_better'] else 'lower'} is better)", fontsize=10)
@@ -181,7 +192,7 @@ def write_results(records: list[dict], out: Path | str, settings: dict) -> dict:
     """results.json (settings, summary, every record), results.md and one plot per task in ``out``."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    records = sorted(records, key=lambda r: (r["task"], r["method"], r["index"]))
+    records = sort_records(records, settings.get("tasks"), settings.get("methods"))
     rows = summarize(records)
     payload = {"version": RESULTS_VERSION, "settings": settings, "summary": rows, "records": records}
     (out / "results.json").write_text(json.dumps(payload, indent=1) + "\n")
