@@ -78,6 +78,9 @@ class CompressionObjective:
     (1, L) over the compressed context. The reference distributions come from the same
     forward over the uncompressed context, so all-FP16 ratios score exactly 0.
 
+    Memory: four copies of the context's K/V in the model dtype (full precision and the
+    three quantized tiers dequantized), e.g. ~3 GB for SmolLM2-135M at 16K tokens in fp32.
+
     Parameters
     ----------
     model : an unpatched Hugging Face causal LM of a supported architecture
