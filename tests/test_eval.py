@@ -48,11 +48,17 @@ def test_samples_are_seeded_and_exclude_calibration_text(smollm2):
         b = task.samples(tok, 3, [256, 384], seed=1)
         assert [s.input_ids.tolist() for s in a] == [s.input_ids.tolist() for s in b]
         assert all(s.input_ids.shape[1] <= 384 + 200 for s in a), name
-    squad = TASKS["squad"].samples(tok, 6, [384], seed=0)
-    eval_text = " ".join(tok.decode(s.input_ids[0]) for s in squad)
-    for title, text in squad_articles():
-        if title in calibration:
-            assert text[:200] not in eval_text, f"calibration article {title!r} leaked into the squad task"
+    used = TASKS["squad"].samples(tok, 6, [384], seed=0) + TASKS["ppl"].samples(tok, 4, [384], seed=0)
+    eval_text = " ".join(tok.decode(s.input_ids[0]) for s in used)
+    leaked = [
+        title
+        for title, text in squad_articles()
+        if title in calibration
+        for paragraph in text.split("\n\n")
+        if paragraph[:80] in eval_text
+    ]
+    assert not leaked, f"calibration articles leaked into evaluation prompts: {sorted(set(leaked))}"
+    assert any(p[:80] in eval_text for t, text in squad_articles() if t not in calibration for p in text.split("\n\n"))
 
 
 @pytest.fixture(scope="module")
