@@ -4,7 +4,6 @@ import json
 import os
 import platform
 import sys
-import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -32,17 +31,9 @@ def essay_ids(tokenizer, n_tokens: int) -> torch.Tensor:
 
 
 def dense_cache_bytes(cache) -> int:
-    return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+    from hqekv.eval import cache_memory
 
-
-def timed(fn):
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    out = fn()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    return out, time.perf_counter() - start
+    return cache_memory(cache)["cache_bytes"]
 
 
 def save(name: str, payload: dict) -> Path:

@@ -9,31 +9,16 @@ tokens included); the ratio is HqeKV tokens/s over DynamicCache tokens/s.
 import argparse
 import warnings
 
-from common import essay_ids, load_smollm2, save, timed
+from common import essay_ids, load_smollm2, save
 
-import torch
 import hqekv
+from hqekv.eval.tasks import greedy_generate
 
 
-def run(model, ids, new_tokens, cache=None):
-    """Prefill seconds and decode tokens/s of a greedy loop driven by hand."""
-    with torch.no_grad():
-        kwargs = {"cache": cache} if cache is not None else {"use_cache": True}
-        out, prefill_s = timed(lambda: model(ids, **kwargs))
-        cache = out.cache
-        token = out.logits[:, -1:].argmax(-1)
-
-        def decode():
-            nonlocal token
-            tokens = []
-            for _ in range(new_tokens):
-                step = model(token, cache=cache)
-                token = step.logits[:, -1:].argmax(-1)
-                tokens.append(token)
-            return torch.cat(tokens, 1)
-
-        generated, decode_s = timed(decode)
-    return prefill_s, new_tokens / decode_s, generated
+def run(model, ids, new_tokens):
+    """Prefill seconds and decode tokens/s of ``new_tokens`` greedy steps after the prefill."""
+    generated, prefill_s, decode_s, _ = greedy_generate(model, ids, new_tokens + 1)
+    return prefill_s, new_tokens / decode_s, generated[1:]
 
 
 def main():
@@ -51,7 +36,7 @@ def main():
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", hqekv.UncalibratedRatiosWarning)
             hqekv.patch_model(model, bavg=args.bavg)
-        prefill, tps, tokens = run(model, ids, args.new_tokens, hqekv.new_cache(model))
+        prefill, tps, tokens = run(model, ids, args.new_tokens)
         hqekv.unpatch_model(model)
         row = {
             "tokens": n,

@@ -192,6 +192,16 @@ def check_artifact(artifact: Artifact, fingerprint: str, bavg: float | None, set
         raise ArtifactError(f"{artifact.path} was calibrated with other cache settings ({detail})")
 
 
+def _first_fitting(candidates: list[Artifact], fingerprint: str, bavg: float, settings: dict) -> Artifact | None:
+    for artifact in candidates:
+        try:
+            check_artifact(artifact, fingerprint, bavg, settings)
+        except ArtifactError:
+            continue
+        return artifact
+    return None
+
+
 def _directory_artifacts(directory: Path) -> list[Artifact]:
     return [load_artifact(p) for p in sorted(directory.glob(f"*{SUFFIX}"))]
 
@@ -224,12 +234,9 @@ def find_artifact(source: str | Path, fingerprint: str, bavg: float, settings: d
     candidates = _directory_artifacts(directory)
     if not candidates:
         raise ArtifactError(f"no {SUFFIX} artifacts in {source}")
-    for artifact in candidates:
-        try:
-            check_artifact(artifact, fingerprint, bavg, settings)
-        except ArtifactError:
-            continue
-        return artifact
+    found = _first_fitting(candidates, fingerprint, bavg, settings)
+    if found is not None:
+        return found
     available = ", ".join(f"{a.metadata['model_id']} bavg={a.bavg:g}" for a in candidates)
     raise ArtifactError(f"no artifact in {source} fits this model at bavg={bavg:g} with these settings; it has: {available}")
 
@@ -241,14 +248,7 @@ def shipped_artifacts() -> list[Path]:
 
 def find_shipped(fingerprint: str, bavg: float, settings: dict) -> Artifact | None:
     """The shipped artifact for this model, bavg and settings, if there is one."""
-    for path in shipped_artifacts():
-        artifact = load_artifact(path)
-        try:
-            check_artifact(artifact, fingerprint, bavg, settings)
-        except ArtifactError:
-            continue
-        return artifact
-    return None
+    return _first_fitting([load_artifact(p) for p in shipped_artifacts()], fingerprint, bavg, settings)
 
 
 def sibling(artifact_path: Path, ending: str) -> Path:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,6 +54,11 @@ def search_box(bavg: float) -> tuple[float, float]:
             "Above 4 bits use hqekv.uncalibrated_ratios(bavg) (FP16 + 4-bit) or explicit ratios."
         )
     return min(1.0, (4 - bavg) / 3), min(1.0, (4 - bavg) / 4)
+
+
+def mean_kl(log_p: torch.Tensor, log_q: torch.Tensor) -> float:
+    """Mean over positions of KL(p ‖ q); log_p, log_q (L, V) float32 log-probabilities."""
+    return float((log_p.exp() * (log_p - log_q)).sum(-1).mean())
 
 
 def _settings_config(ratios: TierRatios, settings: dict) -> HqeKVConfig:
@@ -190,12 +196,10 @@ class CompressionObjective:
         fix: both distributions are taken at the same continuation positions (the reference
         code compares position t with t+1).
         """
-        log_q = self._log_probs(TierRatios.coerce(ratios))
-        log_p = self.reference
-        kl = (log_p.exp() * (log_p - log_q)).sum(-1).mean()
-        if not torch.isfinite(kl):
+        kl = mean_kl(self.reference, self._log_probs(TierRatios.coerce(ratios)))
+        if not math.isfinite(kl):
             raise FloatingPointError("the compressed model produced non-finite logits on the calibration text")
-        return float(kl)
+        return kl
 
     def loss(self, ratios, alpha: float = ALPHA, beta: float = BETA) -> float:
         """Objective: KL + α·δ3 + β·δ4 (SPEC §1.5)."""
@@ -222,8 +226,7 @@ def reference_style_kl(model, context: torch.Tensor, continuation: torch.Tensor,
             unpatch_model(model)
         return torch.log_softmax(logits[0].float(), dim=-1)
 
-    log_p, log_q = log_probs(FP16_RATIOS), log_probs(ratios)
-    return float((log_p.exp() * (log_p - log_q)).sum(-1).mean())
+    return mean_kl(log_probs(FP16_RATIOS), log_probs(ratios))
 
 
 @dataclass

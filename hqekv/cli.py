@@ -81,57 +81,77 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _calibrate(args) -> int:
-    import torch
+def calibration_storage(args) -> str:
+    """The Optuna storage of `hqekv calibrate`: --storage, or SQLite in --out (resumable)."""
+    return args.storage or f"sqlite:///{(Path(args.out) / 'study.db').resolve()}"
 
+
+def run_calibration(args, model, tokenizer, model_id: str, *, write: bool = True, progress: bool = True, **workers):
+    """`hqekv calibrate` on a loaded model: one result per --bavg; ``workers``: barrier, worker."""
     from .calibration import calibrate
-    from .models import load_model
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    storage = args.storage or f"sqlite:///{(out / 'study.db').resolve()}"
-    model, tokenizer, model_id = load_model(args.model, args.gguf_file)
-    results = calibrate(
+    return calibrate(
         model,
         tokenizer,
         list(args.bavg),
         trials=args.trials,
-        storage=storage,
-        out=out,
+        storage=calibration_storage(args),
+        out=Path(args.out) if write else None,
         seed=args.seed,
         context_tokens=args.context_tokens,
         continuation_tokens=args.continuation_tokens,
         alpha=args.alpha,
         beta=args.beta,
         model_id=args.model_id or model_id,
-        progress=not args.no_progress,
+        progress=progress and not args.no_progress,
+        **workers,
         **settings_from_args(args),
     )
+
+
+def print_calibration(results) -> None:
     for r in results:
         print(f"bavg={r.bavg:g}: {r.ratios.describe()}  best loss {r.best_loss:.5f} (KL {r.best_kl:.5f}), "
               f"{r.trials} trials -> {r.path}")
-    print(f"study storage: {storage}")
+
+
+def _calibrate(args) -> int:
+    import torch
+
+    from .models import load_model
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    model, tokenizer, model_id = load_model(args.model, args.gguf_file)
+    print_calibration(run_calibration(args, model, tokenizer, model_id))
+    print(f"study storage: {calibration_storage(args)}")
     return 0
+
+
+def run_evaluation(args, model, tokenizer, *, shard: tuple[int, int] = (0, 1), progress: bool = True) -> list[dict]:
+    """`hqekv eval` on a loaded model: this shard's per-sample records."""
+    from .eval import evaluate
+
+    return evaluate(
+        model, tokenizer, args.methods, args.tasks, samples=args.samples, lengths=args.lengths, seed=args.seed,
+        shard=shard, progress=progress and not args.no_progress,
+    )
 
 
 def _eval(args) -> int:
     import torch
 
-    from .eval import evaluate, parse_method, write_results
+    from .eval import parse_method, write_results
     from .models import load_model
 
-    methods = [parse_method(m) for m in args.methods]  # bad specs fail before the model loads
+    for m in args.methods:
+        parse_method(m)  # bad specs fail before the model loads
     if args.threads:
         torch.set_num_threads(args.threads)
     model, tokenizer, model_id = load_model(args.model, args.gguf_file)
-    records = evaluate(
-        model, tokenizer, methods, args.tasks, samples=args.samples, lengths=args.lengths, seed=args.seed,
-        progress=not args.no_progress,
-    )
-    settings = eval_settings(args, args.model_id or model_id, model)
-    payload = write_results(records, args.out, settings)
+    records = run_evaluation(args, model, tokenizer)
+    payload = write_results(records, args.out, eval_settings(args, args.model_id or model_id, model))
     print((Path(args.out) / "results.md").read_text())
     print(f"wrote {args.out}/results.json ({len(payload['records'])} records), results.md and plots")
     return 0

@@ -88,6 +88,18 @@ class CalibrationText:
         )
 
 
+def joined_tokens(tokenizer, articles, n_tokens: int) -> tuple[list[int], tuple[str, ...]]:
+    """The first ``n_tokens`` token ids of ``articles`` ((title, text), ...) joined by blank
+    lines, each tokenized without special tokens, and the titles they came from."""
+    titles, ids = [], []
+    for title, text in articles:
+        titles.append(title)
+        ids += tokenizer(("\n\n" if ids else "") + text, add_special_tokens=False)["input_ids"]
+        if len(ids) >= n_tokens:
+            return ids[:n_tokens], tuple(titles)
+    raise ValueError(f"the {len(titles)} SQuAD articles hold {len(ids)} tokens, fewer than the {n_tokens} requested")
+
+
 def calibration_text(tokenizer, context_tokens: int, continuation_tokens: int) -> CalibrationText:
     """The first SQuAD articles in file order, to ``context_tokens`` + ``continuation_tokens`` tokens.
 
@@ -96,16 +108,8 @@ def calibration_text(tokenizer, context_tokens: int, continuation_tokens: int) -
     """
     if context_tokens < 1 or continuation_tokens < 1:
         raise ValueError(f"need at least one context and one continuation token, got {context_tokens}, {continuation_tokens}")
-    need = context_tokens + continuation_tokens
-    titles, ids = [], []
-    for title, text in squad_articles():
-        titles.append(title)
-        ids += tokenizer(("\n\n" if ids else "") + text, add_special_tokens=False)["input_ids"]
-        if len(ids) >= need:
-            break
-    else:
-        raise ValueError(f"the SQuAD articles hold {len(ids)} tokens, fewer than the {need} requested")
-    ids = torch.tensor([ids[:need]], dtype=torch.long)
+    ids, titles = joined_tokens(tokenizer, squad_articles(), context_tokens + continuation_tokens)
+    ids = torch.tensor([ids], dtype=torch.long)
     digest = hashlib.sha256(ids.numpy().tobytes()).hexdigest()
     return CalibrationText(ids[:, :context_tokens], ids[:, context_tokens:], tuple(titles), digest)
 

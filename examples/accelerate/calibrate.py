@@ -13,53 +13,27 @@ On a machine without GPUs, ``--multi_gpu`` starts CPU workers that talk over glo
 alone starts a single process unless MPI is set up).
 """
 
-import os
 from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+from workers import start_worker
 
-import torch  # noqa: E402
-from accelerate import PartialState  # noqa: E402
-
-from hqekv.calibration import calibrate  # noqa: E402
-from hqekv.cli import build_parser, settings_from_args  # noqa: E402
-from hqekv.models import load_model  # noqa: E402
+from hqekv.cli import calibration_storage, print_calibration, run_calibration
 
 
 def main():
-    args = build_parser().parse_args(["calibrate", *os.sys.argv[1:]])
-    state = PartialState(cpu=not torch.cuda.is_available())  # CPU workers talk over gloo
-    out = Path(args.out)
-    storage = args.storage or f"sqlite:///{(out / 'study.db').resolve()}"
+    args, state, model, tokenizer, model_id = start_worker("calibrate")
     if state.is_main_process:
         import optuna
 
-        out.mkdir(parents=True, exist_ok=True)
-        optuna.storages.get_storage(storage)  # creates the schema once, before the workers race for it
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        optuna.storages.get_storage(calibration_storage(args))  # the schema once, before the workers race for it
     state.wait_for_everyone()
-    model, tokenizer, model_id = load_model(args.model, args.gguf_file)
-    model.to(state.device)
-    results = calibrate(
-        model,
-        tokenizer,
-        list(args.bavg),
-        trials=args.trials,
-        storage=storage,
-        out=out if state.is_main_process else None,
-        seed=args.seed,
-        context_tokens=args.context_tokens,
-        continuation_tokens=args.continuation_tokens,
-        alpha=args.alpha,
-        beta=args.beta,
-        model_id=args.model_id or model_id,
-        progress=state.is_main_process and not args.no_progress,
-        barrier=state.wait_for_everyone,
-        worker=state.process_index,
-        **settings_from_args(args),
+    results = run_calibration(
+        args, model, tokenizer, model_id, write=state.is_main_process, progress=state.is_main_process,
+        barrier=state.wait_for_everyone, worker=state.process_index,
     )
     if state.is_main_process:
-        for r in results:
-            print(f"bavg={r.bavg:g}: {r.ratios.describe()}  best loss {r.best_loss:.5f}, {r.trials} trials -> {r.path}")
+        print_calibration(results)
 
 
 if __name__ == "__main__":

@@ -11,28 +11,18 @@ On a machine without GPUs, ``--multi_gpu`` starts CPU workers that talk over glo
 alone starts a single process unless MPI is set up).
 """
 
-import os
+from workers import start_worker  # first: it sets HF_HUB_OFFLINE before the Hub client loads
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+from accelerate.utils import gather_object
 
-import torch  # noqa: E402
-from accelerate import PartialState  # noqa: E402
-from accelerate.utils import gather_object  # noqa: E402
-
-from hqekv.cli import build_parser, eval_settings  # noqa: E402
-from hqekv.eval import evaluate, parse_method, write_results  # noqa: E402
-from hqekv.models import load_model  # noqa: E402
+from hqekv.cli import eval_settings, run_evaluation
+from hqekv.eval import write_results
 
 
 def main():
-    args = build_parser().parse_args(["eval", *os.sys.argv[1:]])
-    state = PartialState(cpu=not torch.cuda.is_available())  # CPU workers talk over gloo
-    methods = [parse_method(m) for m in args.methods]
-    model, tokenizer, model_id = load_model(args.model, args.gguf_file)
-    model.to(state.device)
-    records = evaluate(
-        model, tokenizer, methods, args.tasks, samples=args.samples, lengths=args.lengths, seed=args.seed,
-        shard=(state.process_index, state.num_processes), progress=state.is_main_process and not args.no_progress,
+    args, state, model, tokenizer, model_id = start_worker("eval")
+    records = run_evaluation(
+        args, model, tokenizer, shard=(state.process_index, state.num_processes), progress=state.is_main_process
     )
     merged = gather_object(records)
     if state.is_main_process:

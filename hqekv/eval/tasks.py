@@ -229,14 +229,10 @@ class PerplexityTask(Task):
         out = []
         for i in range(n):
             length = lengths[i % len(lengths)]
-            order = list(range(len(articles)))
+            order = list(articles)
             rng.shuffle(order)
-            ids = []
-            for j in order:
-                ids += tokenizer(("\n\n" if ids else "") + articles[j][1], add_special_tokens=False).input_ids
-                if len(ids) >= length + self.continuation_tokens:
-                    break
-            ids = torch.tensor([ids[: length + self.continuation_tokens]])
+            ids, _ = data.joined_tokens(tokenizer, order, length + self.continuation_tokens)
+            ids = torch.tensor([ids])
             out.append(Sample(f"ppl-{i}", ids[:, :length], [], {"length": length}, ids[:, length:]))
         return out
 
