@@ -80,9 +80,12 @@ def quantize_normalized(
     """
     meta_dtype = meta_dtype or x.dtype
     xf = x.float()
-    mean_f = xf.mean(dim=-1, keepdim=True)
-    mean = mean_f.squeeze(-1).to(meta_dtype)
-    std = (xf - mean_f).square().mean(dim=-1).sqrt().to(meta_dtype)
+    # Group statistics in float64, rounded once to the metadata dtype: any summation order
+    # (this one, a Triton kernel's) then gives the same stored metadata.
+    x64 = x.double()
+    mean64 = x64.mean(dim=-1, keepdim=True)
+    mean = mean64.squeeze(-1).to(meta_dtype)
+    std = (x64 - mean64).square().mean(dim=-1).sqrt().to(meta_dtype)
     # fix: guarded std; a constant group stores std 0 and decodes to `mean` exactly.
     denom = std.float().clamp(min=EPS)
     z = (xf - mean.float().unsqueeze(-1)) / denom.unsqueeze(-1)

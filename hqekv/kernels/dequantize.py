@@ -1,0 +1,171 @@
+"""``dequantize``: packed codes + metadata -> chunks (N, H, G, D), the inverse of ``quantize_pack``.
+
+The Triton helpers :func:`load_key_tile` / :func:`load_value_tile` read one chunk of one
+head straight from its packed words into registers; ``mixed_attention`` uses them too.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..packing import unpack_codes
+from ..quantization import NORMALIZED, UNIFORM, dequantize, key_chunks, normal_tables
+from ._triton import HAVE_TRITON, next_power_of_2, require_triton
+from .quantize_pack import packed_shapes
+
+if HAVE_TRITON:
+    from ._triton import cast_rne, tl, triton
+
+
+def check_args(codes, meta0, meta1, bits, normalized, per_channel, group, chunk_size, head_dim) -> None:
+    torch._check(bits in (1, 2, 4, 8), lambda: f"bits must be 1, 2, 4 or 8, got {bits}")
+    torch._check(1 <= group <= head_dim, lambda: f"value group {group} must be in [1, head dim {head_dim}]")
+    torch._check(codes.dtype == torch.int32, lambda: f"codes must be int32 words, got {codes.dtype}")
+    n, h = codes.shape[:2]
+    want_codes, want_meta = packed_shapes((n, h, chunk_size, head_dim), bits, per_channel, group)
+    torch._check(tuple(codes.shape) == want_codes, lambda: f"codes of shape {tuple(codes.shape)}, expected {want_codes}")
+    for m in (meta0, meta1):
+        torch._check(tuple(m.shape) == want_meta, lambda: f"metadata of shape {tuple(m.shape)}, expected {want_meta}")
+
+
+def dequantize_reference(
+    codes: torch.Tensor,
+    meta0: torch.Tensor,
+    meta1: torch.Tensor,
+    bits: int,
+    normalized: bool,
+    per_channel: bool,
+    group: int,
+    chunk_size: int,
+    head_dim: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """Pure-PyTorch unpack + dequantize; the CPU implementation and the kernels' test reference.
+
+    codes/meta as :func:`~hqekv.kernels.quantize_pack.quantize_pack_reference` returns them
+    -> (N, H, chunk_size, head_dim) ``dtype``.
+    """
+    check_args(codes, meta0, meta1, bits, normalized, per_channel, group, chunk_size, head_dim)
+    method = NORMALIZED if normalized else UNIFORM
+    x = dequantize(unpack_codes(codes, bits, chunk_size if per_channel else group), meta0, meta1, bits, method, dtype)
+    if per_channel:
+        return key_chunks(x)
+    return x.flatten(-2)[..., :head_dim]
+
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def dequantize_tile(codes, m0, m1, centres_ptr, BITS: tl.constexpr, NORMALIZED: tl.constexpr):
+        """codes (int32), m0/m1 broadcastable to it -> fp32 values (scale/zero or std/mean)."""
+        if NORMALIZED:
+            return tl.load(centres_ptr + codes) * m0 + m1
+        else:
+            return codes.to(tl.float32) * m0 + m1
+
+    @triton.jit
+    def load_key_tile(
+        codes_ptr, m0_ptr, m1_ptr, centres_ptr, slot, head,
+        s_c0, s_c1, s_cd, s_cw, s_m0, s_m1, s_md,
+        G, D, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BITS: tl.constexpr, NORMALIZED: tl.constexpr,
+    ):  # fmt: skip
+        """One key chunk (G tokens, per-channel groups) -> (BLOCK_G, BLOCK_D) fp32."""
+        PER_WORD: tl.constexpr = 32 // BITS
+        j = tl.arange(0, BLOCK_G)[:, None]
+        d = tl.arange(0, BLOCK_D)[None, :]
+        dm = d < D
+        ok = (j < G) & dm
+        base = slot.to(tl.int64) * s_c0 + head * s_c1
+        words = tl.load(codes_ptr + base + d * s_cd + (j // PER_WORD) * s_cw, mask=ok, other=0)
+        codes = (words >> ((j % PER_WORD) * BITS)) & ((1 << BITS) - 1)
+        mbase = slot.to(tl.int64) * s_m0 + head * s_m1
+        m0 = tl.load(m0_ptr + mbase + d * s_md, mask=dm, other=0.0).to(tl.float32)
+        m1 = tl.load(m1_ptr + mbase + d * s_md, mask=dm, other=0.0).to(tl.float32)
+        return dequantize_tile(codes, m0, m1, centres_ptr, BITS, NORMALIZED)
+
+    @triton.jit
+    def load_value_tile(
+        codes_ptr, m0_ptr, m1_ptr, centres_ptr, slot, head,
+        s_c0, s_c1, s_cg, s_cn, s_cw, s_m0, s_m1, s_mg, s_mn,
+        G, D, GROUP, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BITS: tl.constexpr, NORMALIZED: tl.constexpr,
+    ):  # fmt: skip
+        """One value chunk (per-token groups of GROUP channels) -> (BLOCK_G, BLOCK_D) fp32."""
+        PER_WORD: tl.constexpr = 32 // BITS
+        j = tl.arange(0, BLOCK_G)[:, None]
+        d = tl.arange(0, BLOCK_D)[None, :]
+        ok = (j < G) & (d < D)
+        gi = d // GROUP
+        idx = d % GROUP
+        base = slot.to(tl.int64) * s_c0 + head * s_c1
+        words = tl.load(codes_ptr + base + j * s_cg + gi * s_cn + (idx // PER_WORD) * s_cw, mask=ok, other=0)
+        codes = (words >> ((idx % PER_WORD) * BITS)) & ((1 << BITS) - 1)
+        mbase = slot.to(tl.int64) * s_m0 + head * s_m1
+        m0 = tl.load(m0_ptr + mbase + j * s_mg + gi * s_mn, mask=ok, other=0.0).to(tl.float32)
+        m1 = tl.load(m1_ptr + mbase + j * s_mg + gi * s_mn, mask=ok, other=0.0).to(tl.float32)
+        return dequantize_tile(codes, m0, m1, centres_ptr, BITS, NORMALIZED)
+
+    @triton.jit
+    def _dequantize_kernel(
+        # pointers
+        codes_ptr, m0_ptr, m1_ptr, centres_ptr, out_ptr,
+        # sizes
+        H, G, D, GROUP,
+        # strides, in elements
+        s_c0, s_c1, s_c2, s_c3, s_c4,
+        s_m0, s_m1, s_m2, s_m3,
+        s_o0, s_o1, s_o2, s_o3,
+        # compile-time
+        PER_CHANNEL: tl.constexpr, BITS: tl.constexpr, NORMALIZED: tl.constexpr, OUT_BF16: tl.constexpr,
+        BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+    ):  # fmt: skip
+        """Program per (chunk, head): unpack + dequantize one (G, D) chunk."""
+        pid = tl.program_id(0)
+        slot = pid // H
+        head = pid % H
+        if PER_CHANNEL:
+            x = load_key_tile(
+                codes_ptr, m0_ptr, m1_ptr, centres_ptr, slot, head,
+                s_c0, s_c1, s_c2, s_c3, s_m0, s_m1, s_m2, G, D, BLOCK_G, BLOCK_D, BITS, NORMALIZED,
+            )  # fmt: skip
+        else:
+            x = load_value_tile(
+                codes_ptr, m0_ptr, m1_ptr, centres_ptr, slot, head,
+                s_c0, s_c1, s_c2, s_c3, s_c4, s_m0, s_m1, s_m2, s_m3, G, D, GROUP, BLOCK_G, BLOCK_D, BITS, NORMALIZED,
+            )  # fmt: skip
+        j = tl.arange(0, BLOCK_G)[:, None]
+        d = tl.arange(0, BLOCK_D)[None, :]
+        out = out_ptr + slot.to(tl.int64) * s_o0 + head * s_o1 + j * s_o2 + d * s_o3
+        tl.store(out, cast_rne(x, out_ptr.dtype.element_ty, OUT_BF16), mask=(j < G) & (d < D))
+
+
+def dequantize_triton(
+    codes: torch.Tensor,
+    meta0: torch.Tensor,
+    meta1: torch.Tensor,
+    bits: int,
+    normalized: bool,
+    per_channel: bool,
+    group: int,
+    chunk_size: int,
+    head_dim: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """Launch the Triton kernel (CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``)."""
+    require_triton()
+    check_args(codes, meta0, meta1, bits, normalized, per_channel, group, chunk_size, head_dim)
+    n, h = codes.shape[:2]
+    out = torch.empty(n, h, chunk_size, head_dim, dtype=dtype, device=codes.device)
+    if out.numel() == 0:
+        return out
+    _, centres = normal_tables(bits, codes.device)
+    c_strides = (*codes.stride(), 0) if per_channel else codes.stride()
+    m_strides = (*meta0.stride(), 0) if per_channel else meta0.stride()
+    torch._check(meta0.stride() == meta1.stride(), lambda: "meta0 and meta1 must share a layout")
+    _dequantize_kernel[(n * h,)](
+        codes, meta0, meta1, centres, out,
+        h, chunk_size, head_dim, group,
+        *c_strides, *m_strides, *out.stride(),
+        PER_CHANNEL=per_channel, BITS=bits, NORMALIZED=normalized, OUT_BF16=dtype == torch.bfloat16,
+        BLOCK_G=next_power_of_2(chunk_size), BLOCK_D=next_power_of_2(head_dim),
+    )  # fmt: skip
+    return out

@@ -1,0 +1,326 @@
+"""``mixed_attention``: attention of new queries over the whole mixed-tier cache (SPEC §1.4).
+
+Inputs (``B`` rows, ``Hq`` query heads, ``Hkv`` KV heads, ``S`` new tokens, chunk size G):
+
+- query (B, Hq, S, D); key, value (B, Hkv, S, D): the new tokens, after RoPE; new_valid
+  (B, S) bool, False for padding. New token i sees new tokens j <= i that are valid.
+- k_pools / v_pools: the 10 pool tensors of a component, in :data:`POOL_ORDER`:
+  FP16 slots (N, Hkv, G, D), then codes/meta0/meta1 of the 4-bit, 2-bit and 1-bit pools
+  (layouts of :mod:`~hqekv.kernels.quantize_pack`). Pools may have free slots.
+- k_tier, k_slot, v_tier, v_slot (B, C) int64: the chunk table. Entry (b, c) is a kept chunk
+  at tier ``k_tier`` (0 FP16, 1 4-bit, 2 2-bit, 3 1-bit) stored in slot ``k_slot`` of that
+  tier's pool; entries with tier < 0 are empty. Every kept chunk precedes the new tokens.
+- tail_k, tail_v (B, Hkv, G, D), tail_len (B,) int64: the newest ``tail_len`` tokens in FP16.
+
+-> (B, S, Hq, D) in the query dtype. A query that sees no token at all gets zeros.
+
+The Triton kernel walks the chunk table, reads each chunk *packed* and dequantizes it in
+registers, with an online softmax across tiers (split over the table for parallelism and
+merged by log-sum-exp); the reference dequantizes into one buffer and calls SDPA.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from ..policy import FP16, INT1, INT2, INT4
+from ..quantization import normal_tables
+from ._triton import HAVE_TRITON, INTERPRET, next_power_of_2, require_triton
+from .dequantize import dequantize_reference
+
+if HAVE_TRITON:
+    from ._triton import cast_rne, tl, triton
+    from .dequantize import load_key_tile, load_value_tile
+
+POOL_ORDER = ("fp16", "int4.codes", "int4.meta0", "int4.meta1", "int2.codes", "int2.meta0", "int2.meta1",
+              "int1.codes", "int1.meta0", "int1.meta1")  # fmt: skip
+TIER_FORMATS = {INT4: (4, False), INT2: (2, False), INT1: (1, True)}
+"""tier -> (bits, normalized): uniform 4 and 2 bits, normalized 1 bit (SPEC §1.1)."""
+QUANTIZED_TIERS = (INT4, INT2, INT1)
+
+
+def quantized_pool(pools: list[torch.Tensor], tier: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(codes, meta0, meta1) of ``tier`` out of a pool list in :data:`POOL_ORDER`."""
+    i = 1 + 3 * QUANTIZED_TIERS.index(tier)
+    return pools[i], pools[i + 1], pools[i + 2]
+
+
+def check_args(query, key, value, new_valid, k_pools, v_pools, k_tier, k_slot, v_tier, v_slot, tail_k, tail_v, tail_len):
+    b, hq, s, d = query.shape
+    hkv = key.shape[1]
+    torch._check(query.dim() == 4 and key.dim() == 4, lambda: "query and key must be (B, H, S, D)")
+    torch._check(key.shape == value.shape, lambda: f"key {tuple(key.shape)} and value {tuple(value.shape)} differ")
+    torch._check(key.shape[0] == b and key.shape[2] == s and key.shape[3] == d, lambda: "query and key shapes disagree")
+    torch._check(hq % hkv == 0, lambda: f"{hq} query heads are not a multiple of {hkv} KV heads")
+    torch._check(tuple(new_valid.shape) == (b, s), lambda: f"new_valid must be ({b}, {s}), got {tuple(new_valid.shape)}")
+    torch._check(len(k_pools) == len(POOL_ORDER) and len(v_pools) == len(POOL_ORDER), lambda: "10 pool tensors each")
+    for t in (k_tier, k_slot, v_tier, v_slot):
+        torch._check(t.shape == k_tier.shape and t.dim() == 2 and t.shape[0] == b, lambda: "chunk tables must be (B, C)")
+    torch._check(tail_k.shape == tail_v.shape and tail_k.shape[:2] == (b, hkv), lambda: "tail must be (B, Hkv, G, D)")
+    torch._check(tuple(tail_len.shape) == (b,), lambda: "tail_len must be (B,)")
+
+
+def gather_chunks(
+    pools: list[torch.Tensor], tier: torch.Tensor, slot: torch.Tensor, per_channel: bool, group: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """Dequantize the chunks a table references into one buffer: (B, C) -> (B, H, C·G, D) ``dtype``.
+
+    Empty entries are zeros. Only referenced slots are read, so free pool slots never are.
+    """
+    fp = pools[0]
+    b, c = tier.shape
+    _, h, g, d = fp.shape
+    chunks = fp.new_zeros(b, c, h, g, d, dtype=dtype)
+    for t in (FP16, *QUANTIZED_TIERS):
+        rows, cols = (tier == t).nonzero(as_tuple=True)
+        if rows.numel() == 0:
+            continue
+        slots = slot[rows, cols]
+        if t == FP16:
+            chunks[rows, cols] = fp[slots].to(dtype)
+        else:
+            bits, normalized = TIER_FORMATS[t]
+            codes, m0, m1 = (x[slots] for x in quantized_pool(pools, t))
+            chunks[rows, cols] = dequantize_reference(codes, m0, m1, bits, normalized, per_channel, group, g, d, dtype)
+    return chunks.permute(0, 2, 1, 3, 4).reshape(b, h, c * g, d)
+
+
+def mixed_attention_reference(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    new_valid: torch.Tensor,
+    k_pools: list[torch.Tensor],
+    v_pools: list[torch.Tensor],
+    k_tier: torch.Tensor,
+    k_slot: torch.Tensor,
+    v_tier: torch.Tensor,
+    v_slot: torch.Tensor,
+    tail_k: torch.Tensor,
+    tail_v: torch.Tensor,
+    tail_len: torch.Tensor,
+    scaling: float,
+    value_group: int,
+) -> torch.Tensor:
+    """Pure-PyTorch mixed attention; the CPU implementation and the kernel's test reference."""
+    check_args(query, key, value, new_valid, k_pools, v_pools, k_tier, k_slot, v_tier, v_slot, tail_k, tail_v, tail_len)
+    b, hq, s, d = query.shape
+    g = tail_k.shape[2]
+    dtype = query.dtype
+    keys = torch.cat([gather_chunks(k_pools, k_tier, k_slot, True, value_group, dtype), tail_k.to(dtype), key], 2)
+    values = torch.cat([gather_chunks(v_pools, v_tier, v_slot, False, value_group, dtype), tail_v.to(dtype), value], 2)
+    ar = torch.arange(g, device=query.device)
+    cached = torch.cat([(k_tier >= 0).repeat_interleave(g, dim=1), ar[None, :] < tail_len[:, None]], dim=1)
+    causal = torch.ones(s, s, dtype=torch.bool, device=query.device).tril()
+    mask = torch.cat([cached[:, None, :].expand(b, s, cached.shape[1]), causal[None] & new_valid[:, None, :]], dim=-1)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, keys, values, attn_mask=mask[:, None], scale=scaling, enable_gqa=hq != key.shape[1]
+    )
+    out = torch.where(mask.any(-1)[:, None, :, None], out, 0)  # a query that sees nothing: zeros, not NaN
+    return out.transpose(1, 2)
+
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _online_update(q, k, v, token_ok, m_i, l_i, acc, scaling, DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr):
+        """One block of keys/values (BLOCK_T, BLOCK_D) into the running softmax state of q (BLOCK_R, BLOCK_D)."""
+        if IEEE:
+            s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)))
+        s = tl.where(token_ok, s * scaling, -float("inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        if IEEE:
+            pv = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE))
+        return m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None] + pv
+
+    @triton.jit
+    def _mixed_attention_kernel(
+        # new tokens
+        q_ptr, k_ptr, v_ptr, valid_ptr,
+        # key pools: fp16, then codes/meta0/meta1 of 4, 2, 1 bit
+        kf_ptr, k4c, k4a, k4b, k2c, k2a, k2b, k1c, k1a, k1b,
+        vf_ptr, v4c, v4a, v4b, v2c, v2a, v2b, v1c, v1a, v1b,
+        centres_ptr,
+        # chunk table, tail
+        kt_ptr, ks_ptr, vt_ptr, vs_ptr, tk_ptr, tv_ptr, tl_ptr,
+        # partial outputs (B, Hkv, SPLITS, BLOCK_R, D) and (B, Hkv, SPLITS, BLOCK_R)
+        o_ptr, m_ptr, l_ptr,
+        # sizes
+        HKV, GQ, S, G, D, GROUP, C, CPS, SPLITS, scaling,
+        # strides, in elements
+        s_qb, s_qh, s_qs, s_kb, s_kh, s_ks,
+        s_f0, s_f1, s_f2,
+        s_kc0, s_kc1, s_kcd, s_kcw, s_km0, s_km1, s_kmd,
+        s_k2c0, s_k2c1, s_k2cd, s_k2cw, s_k2m0, s_k2m1, s_k2md,
+        s_k1c0, s_k1c1, s_k1cd, s_k1cw, s_k1m0, s_k1m1, s_k1md,
+        s_vc0, s_vc1, s_vcg, s_vcn, s_vcw, s_vm0, s_vm1, s_vmg, s_vmn,
+        s_v2c0, s_v2c1, s_v2cg, s_v2cn, s_v2cw, s_v2m0, s_v2m1, s_v2mg, s_v2mn,
+        s_v1c0, s_v1c1, s_v1cg, s_v1cn, s_v1cw, s_v1m0, s_v1m1, s_v1mg, s_v1mn,
+        s_tb, s_tab, s_tb1, s_th, s_tg,
+        # compile-time
+        BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+        DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr,
+    ):  # fmt: skip
+        """Program per (row b, KV head h, split): rows r = (query head in group, new token) of q."""
+        # 1. program -> (b, h, split); the GQ·S query rows of this KV head
+        pid = tl.program_id(0)
+        split = tl.program_id(1)
+        b = pid // HKV
+        h = pid % HKV
+        r = tl.arange(0, BLOCK_R)
+        qi = r % S  # new-token index of each row
+        qh = h * GQ + r // S  # query head of each row
+        row_ok = r < GQ * S
+        d = tl.arange(0, BLOCK_D)
+        dm = d < D
+        q = tl.load(q_ptr + b.to(tl.int64) * s_qb + qh[:, None] * s_qh + qi[:, None] * s_qs + d[None, :],
+                    mask=row_ok[:, None] & dm[None, :], other=0.0).to(DOT_DTYPE)  # fmt: skip
+        m_i = tl.full((BLOCK_R,), -float("inf"), tl.float32)
+        l_i = tl.zeros((BLOCK_R,), tl.float32)
+        acc = tl.zeros((BLOCK_R, BLOCK_D), tl.float32)
+        j = tl.arange(0, BLOCK_G)
+        jg = j[:, None]
+        in_chunk = (j < G)[None, :]
+        fp_tile = jg * s_f2 + d[None, :]
+        fp_mask = (jg < G) & dm[None, :]
+
+        # 2. this split's chunks, each read at its own tier
+        for c in range(split * CPS, tl.minimum(C, split * CPS + CPS)):
+            kt = tl.load(kt_ptr + b * s_tb + c)
+            ks = tl.load(ks_ptr + b * s_tb + c)
+            vt = tl.load(vt_ptr + b * s_tb + c)
+            vs = tl.load(vs_ptr + b * s_tb + c)
+            if kt >= 0:
+                k = tl.zeros((BLOCK_G, BLOCK_D), tl.float32)
+                if kt == 0:
+                    k = tl.load(kf_ptr + ks.to(tl.int64) * s_f0 + h * s_f1 + fp_tile, mask=fp_mask, other=0.0).to(tl.float32)
+                elif kt == 1:
+                    k = load_key_tile(k4c, k4a, k4b, centres_ptr, ks, h, s_kc0, s_kc1, s_kcd, s_kcw, s_km0, s_km1, s_kmd,
+                                      G, D, BLOCK_G, BLOCK_D, 4, False)  # fmt: skip
+                elif kt == 2:
+                    k = load_key_tile(k2c, k2a, k2b, centres_ptr, ks, h, s_k2c0, s_k2c1, s_k2cd, s_k2cw, s_k2m0, s_k2m1,
+                                      s_k2md, G, D, BLOCK_G, BLOCK_D, 2, False)  # fmt: skip
+                else:
+                    k = load_key_tile(k1c, k1a, k1b, centres_ptr, ks, h, s_k1c0, s_k1c1, s_k1cd, s_k1cw, s_k1m0, s_k1m1,
+                                      s_k1md, G, D, BLOCK_G, BLOCK_D, 1, True)  # fmt: skip
+                v = tl.zeros((BLOCK_G, BLOCK_D), tl.float32)
+                if vt == 0:
+                    v = tl.load(vf_ptr + vs.to(tl.int64) * s_f0 + h * s_f1 + fp_tile, mask=fp_mask, other=0.0).to(tl.float32)
+                elif vt == 1:
+                    v = load_value_tile(v4c, v4a, v4b, centres_ptr, vs, h, s_vc0, s_vc1, s_vcg, s_vcn, s_vcw, s_vm0, s_vm1,
+                                        s_vmg, s_vmn, G, D, GROUP, BLOCK_G, BLOCK_D, 4, False)  # fmt: skip
+                elif vt == 2:
+                    v = load_value_tile(v2c, v2a, v2b, centres_ptr, vs, h, s_v2c0, s_v2c1, s_v2cg, s_v2cn, s_v2cw, s_v2m0,
+                                        s_v2m1, s_v2mg, s_v2mn, G, D, GROUP, BLOCK_G, BLOCK_D, 2, False)  # fmt: skip
+                else:
+                    v = load_value_tile(v1c, v1a, v1b, centres_ptr, vs, h, s_v1c0, s_v1c1, s_v1cg, s_v1cn, s_v1cw, s_v1m0,
+                                        s_v1m1, s_v1mg, s_v1mn, G, D, GROUP, BLOCK_G, BLOCK_D, 1, True)  # fmt: skip
+                # the model sees the dequantized values in its own dtype, as the reference does
+                k = k.to(tk_ptr.dtype.element_ty).to(tl.float32)
+                v = v.to(tk_ptr.dtype.element_ty).to(tl.float32)
+                m_i, l_i, acc = _online_update(q, k, v, in_chunk, m_i, l_i, acc, scaling, DOT_DTYPE, IEEE)
+
+        # 3. the last split adds the FP16 tail and the new tokens
+        if split == SPLITS - 1:
+            n_tail = tl.load(tl_ptr + b * s_tb1)
+            t_base = b.to(tl.int64) * s_tab + h * s_th
+            t_off = jg * s_tg + d[None, :]
+            tk = tl.load(tk_ptr + t_base + t_off, mask=fp_mask, other=0.0).to(tl.float32)
+            tv = tl.load(tv_ptr + t_base + t_off, mask=fp_mask, other=0.0).to(tl.float32)
+            m_i, l_i, acc = _online_update(q, tk, tv, (j < n_tail)[None, :], m_i, l_i, acc, scaling, DOT_DTYPE, IEEE)
+            sj = tl.arange(0, BLOCK_S)
+            n_off = b.to(tl.int64) * s_kb + h * s_kh + sj[:, None] * s_ks + d[None, :]
+            n_mask = (sj[:, None] < S) & dm[None, :]
+            nk = tl.load(k_ptr + n_off, mask=n_mask, other=0.0).to(tl.float32)
+            nv = tl.load(v_ptr + n_off, mask=n_mask, other=0.0).to(tl.float32)  # key and value share a layout
+            new_ok = tl.load(valid_ptr + b * S + sj, mask=sj < S, other=0) != 0
+            seen = new_ok[None, :] & (sj[None, :] <= qi[:, None])
+            m_i, l_i, acc = _online_update(q, nk, nv, seen, m_i, l_i, acc, scaling, DOT_DTYPE, IEEE)
+
+        # 4. partial results of this split
+        part = (b.to(tl.int64) * HKV + h) * SPLITS + split
+        tl.store(o_ptr + part * BLOCK_R * D + r[:, None] * D + d[None, :], acc, mask=row_ok[:, None] & dm[None, :])
+        tl.store(m_ptr + part * BLOCK_R + r, m_i, mask=row_ok)
+        tl.store(l_ptr + part * BLOCK_R + r, l_i, mask=row_ok)
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def default_splits(batch: int, kv_heads: int, n_chunks: int, device: torch.device) -> int:
+    """Split the chunk table so that about two programs run per multiprocessor (flash-decoding)."""
+    if device.type != "cuda" or n_chunks == 0:
+        return 1
+    target = 2 * _multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
+    return max(1, min(n_chunks, math.ceil(target / max(1, batch * kv_heads))))
+
+
+def mixed_attention_triton(
+    query, key, value, new_valid, k_pools, v_pools, k_tier, k_slot, v_tier, v_slot, tail_k, tail_v, tail_len,
+    scaling: float, value_group: int, n_splits: int | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """Launch the Triton kernel (CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``)."""
+    require_triton()
+    check_args(query, key, value, new_valid, k_pools, v_pools, k_tier, k_slot, v_tier, v_slot, tail_k, tail_v, tail_len)
+    b, hq, s, d = query.shape
+    hkv, g = key.shape[1], tail_k.shape[2]
+    c = k_tier.shape[1]
+    gq = hq // hkv
+    query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
+    k_pools = [t.contiguous() for t in k_pools]
+    v_pools = [t.contiguous() for t in v_pools]
+    tables = [t.contiguous() for t in (k_tier, k_slot, v_tier, v_slot)]
+    tail_k, tail_v, tail_len = tail_k.contiguous(), tail_v.contiguous(), tail_len.contiguous()
+    splits = n_splits or default_splits(b, hkv, c, query.device)
+    cps = max(1, math.ceil(c / splits))
+    splits = max(1, math.ceil(c / cps)) if c else 1
+    block_r = max(16, next_power_of_2(gq * s)) if not INTERPRET else next_power_of_2(gq * s)
+    part_o = torch.empty(b, hkv, splits, block_r, d, dtype=torch.float32, device=query.device)
+    part_m = torch.full((b, hkv, splits, block_r), -math.inf, dtype=torch.float32, device=query.device)
+    part_l = torch.zeros(b, hkv, splits, block_r, dtype=torch.float32, device=query.device)
+    _, centres = normal_tables(1, query.device)
+    quantized_strides = []
+    for pools in (k_pools, v_pools):
+        for t in QUANTIZED_TIERS:
+            codes, m0, _ = quantized_pool(pools, t)
+            quantized_strides += [*codes.stride(), *m0.stride()]
+    fp = k_pools[0]
+    torch._check(v_pools[0].stride() == fp.stride(), lambda: "key and value FP16 pools must share a layout")
+    dot_dtype = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}.get(query.dtype, tl.float32)
+    if INTERPRET and dot_dtype == tl.bfloat16:
+        dot_dtype = tl.float32  # the interpreter has no bf16 matmul (numpy); GPUs multiply bf16 natively
+    _mixed_attention_kernel[(b * hkv, splits)](
+        query, key, value, new_valid.to(torch.int8).contiguous(),
+        *k_pools, *v_pools, centres,
+        *tables, tail_k, tail_v, tail_len,
+        part_o, part_m, part_l,
+        hkv, gq, s, g, d, value_group, c, cps, splits, scaling,
+        query.stride(0), query.stride(1), query.stride(2), key.stride(0), key.stride(1), key.stride(2),
+        fp.stride(0), fp.stride(1), fp.stride(2),
+        *quantized_strides,
+        tables[0].stride(0), tail_k.stride(0), tail_len.stride(0), tail_k.stride(1), tail_k.stride(2),
+        BLOCK_R=block_r, BLOCK_G=max(16, next_power_of_2(g)), BLOCK_S=max(16, next_power_of_2(s)),
+        BLOCK_D=max(16, next_power_of_2(d)), DOT_DTYPE=dot_dtype, IEEE=dot_dtype == tl.float32,
+    )  # fmt: skip
+    # merge the splits by log-sum-exp
+    m_max = part_m.amax(2, keepdim=True)
+    m_safe = torch.where(torch.isinf(m_max), 0.0, m_max)
+    w = torch.exp(part_m - m_safe)
+    num = (w[..., None] * part_o).sum(2)
+    den = (w * part_l).sum(2)
+    out = torch.where(den[..., None] > 0, num / den.clamp(min=1e-30)[..., None], 0.0)[:, :, : gq * s]
+    # rows r = (head in group, token) -> (B, S, Hq, D)
+    out = out.reshape(b, hkv, gq, s, d).permute(0, 3, 1, 2, 4).reshape(b, s, hq, d)
+    return out.to(query.dtype)

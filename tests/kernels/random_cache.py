@@ -1,0 +1,57 @@
+"""A random mixed-tier cache in the ``mixed_attention`` layout, for kernel tests and benchmarks."""
+
+from __future__ import annotations
+
+import torch
+
+from hqekv.kernels.mixed_attention import QUANTIZED_TIERS, TIER_FORMATS
+from hqekv.kernels.quantize_pack import quantize_pack_reference
+
+
+def random_mixed_cache(
+    b: int, hq: int, hkv: int, s: int, d: int, n_chunks: int, g: int = 32, value_group: int = 32,
+    dtype=torch.float32, tiers=(0, 1, 2, 3), empty_every: int = 0, seed: int = 0, device="cpu", quantize=None,
+) -> dict:  # fmt: skip
+    """Keyword arguments of ``mixed_attention`` with ``n_chunks`` table entries per row.
+
+    Each row's chunks get tiers drawn from ``tiers`` (K and V independently); every
+    ``empty_every``-th entry is left empty (-1). Pools hold the chunks in shuffled slots plus
+    a free slot at the end. ``quantize`` defaults to the reference quantizer.
+    """
+    quantize = quantize or quantize_pack_reference
+    gen = torch.Generator().manual_seed(seed)
+    meta_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float16
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen).to(dtype).to(device)
+
+    tables = {}
+    pools = {}
+    for comp in ("k", "v"):
+        tier = torch.tensor(tiers)[torch.randint(len(tiers), (b, n_chunks), generator=gen)]
+        if empty_every:
+            tier[:, empty_every - 1 :: empty_every] = -1
+        slot = torch.full_like(tier, -1)
+        comp_pools = []
+        for t in (0, *QUANTIZED_TIERS):
+            rows, cols = (tier == t).nonzero(as_tuple=True)
+            n = rows.numel()
+            slot[rows, cols] = torch.randperm(n, generator=gen)
+            chunks = randn(n + 1, hkv, g, d) * (1 + torch.arange(d, device=device) % 3)  # + 1 free slot
+            if t == 0:
+                comp_pools.append(chunks)
+            else:
+                bits, normalized = TIER_FORMATS[t]
+                comp_pools += quantize(chunks, bits, normalized, comp == "k", value_group, meta_dtype)
+        tables[f"{comp}_tier"], tables[f"{comp}_slot"] = tier.to(device), slot.to(device)
+        pools[f"{comp}_pools"] = comp_pools
+    tail_len = torch.randint(0, g + 1, (b,), generator=gen).to(device)
+    new_valid = torch.ones(b, s, dtype=torch.bool)
+    if s > 1:
+        new_valid[0, 0] = False  # left padding in row 0
+    return dict(
+        query=randn(b, hq, s, d), key=randn(b, hkv, s, d), value=randn(b, hkv, s, d),
+        new_valid=new_valid.to(device), **pools, **tables,
+        tail_k=randn(b, hkv, g, d), tail_v=randn(b, hkv, g, d), tail_len=tail_len,
+        scaling=d**-0.5, value_group=value_group,
+    )  # fmt: skip
