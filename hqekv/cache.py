@@ -25,19 +25,13 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from . import importance, policy
+from . import importance, kernels, policy
 from .config import HqeKVConfig
-from .packing import pack_codes, unpack_codes
+from .kernels.mixed_attention import gather_chunks
 from .policy import EVICTED, FP16, INT1, INT2, INT4, TIER_CODE_BITS, TIER_NAMES
 from .quantization import (
     NORMALIZED,
     UNIFORM,
-    dequantize,
-    key_chunks,
-    key_groups,
-    quantize,
-    value_chunks,
-    value_groups,
 )
 
 
@@ -77,22 +71,20 @@ class QuantizedPool:
 
 
 def encode_chunks(chunks: torch.Tensor, tier: int, component: str, value_group: int, meta_dtype: torch.dtype) -> QuantizedPool:
-    """Quantize and pack chunks: (N, H, G, D) -> QuantizedPool at ``tier``."""
+    """Quantize and pack chunks: (N, H, G, D) -> QuantizedPool at ``tier`` (``hqekv::quantize_pack``)."""
     fmt = TIER_FORMATS[tier]
-    groups = key_groups(chunks) if component == KEY else value_groups(chunks, value_group)
-    codes, m0, m1 = quantize(groups, fmt.bits, fmt.method, meta_dtype)
-    return QuantizedPool(pack_codes(codes, fmt.bits), m0, m1)
+    return QuantizedPool(
+        *kernels.quantize_pack(chunks, fmt.bits, fmt.method == NORMALIZED, component == KEY, value_group, meta_dtype)
+    )
 
 
-def decode_chunks(pool: QuantizedPool, tier: int, component: str, group_len: int, dtype: torch.dtype) -> torch.Tensor:
-    """Unpack and dequantize: QuantizedPool at ``tier`` -> (N, H, G, D) ``dtype``.
-
-    ``group_len`` is G for keys and the value channel group for values.
-    """
+def decode_chunks(
+    pool: QuantizedPool, tier: int, component: str, chunk_size: int, head_dim: int, value_group: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """Unpack and dequantize: QuantizedPool at ``tier`` -> (N, H, G, D) ``dtype`` (``hqekv::dequantize``)."""
     fmt = TIER_FORMATS[tier]
-    codes = unpack_codes(pool.codes, fmt.bits, group_len)
-    x = dequantize(codes, pool.meta0, pool.meta1, fmt.bits, fmt.method, dtype)
-    return key_chunks(x) if component == KEY else value_chunks(x)
+    normalized, per_channel = fmt.method == NORMALIZED, component == KEY
+    return kernels.dequantize(*pool.tensors(), fmt.bits, normalized, per_channel, value_group, chunk_size, head_dim, dtype)
 
 
 def _stable_order(valid: torch.Tensor, valid_first: bool) -> torch.Tensor:
@@ -135,6 +127,7 @@ class HqeKVLayer(CacheLayerMixin):
         self.config = config
         self.layer_idx = layer_idx
         self.seen = 0
+        self.has_tokens = False
 
     # --- CacheLayerMixin contract ----------------------------------------------------------
 
@@ -189,6 +182,7 @@ class HqeKVLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self.seen = 0
+        self.has_tokens = False
         self.is_initialized = False
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -227,6 +221,11 @@ class HqeKVLayer(CacheLayerMixin):
         for padding. ``dense_attention(q, k, v) -> (B, S, Hq, D)`` is the model's own attention,
         used while the cache is empty so that the prefill is exactly the unpatched one.
         -> (B, S, Hq, D).
+
+        A decode step (one token, cache not empty) is one graph under ``torch.compile``: the
+        ``hqekv::mixed_attention`` op, then the token written into the FP16 tail with fixed
+        shapes. Flushing a full tail and re-ranking happen in :meth:`maintain`, an eager step
+        the patched model runs before each forward. Other inputs store eagerly.
         """
         b, _, s, _ = key.shape
         if s == 0:
@@ -235,41 +234,104 @@ class HqeKVLayer(CacheLayerMixin):
             new_valid = torch.ones(b, s, dtype=torch.bool, device=key.device)
         if new_valid.shape != (b, s):
             raise ValueError(f"padding mask of shape {tuple(new_valid.shape)} does not match {b} rows × {s} tokens")
-        if not self.is_initialized:
-            self.lazy_initialization(key, value, query)
-        elif key.shape[0] != self.batch_size or key.shape[1] != self.num_kv_heads or key.shape[3] != self.head_dim:
+        if self.is_initialized and (
+            key.shape[0] != self.batch_size or key.shape[1] != self.num_kv_heads or key.shape[3] != self.head_dim
+        ):
             raise ValueError(
                 f"keys of shape {tuple(key.shape)} do not fit a cache of {self.batch_size} rows, "
                 f"{self.num_kv_heads} KV heads, head dim {self.head_dim}"
             )
         self.scaling = scaling
-        if self.seen == 0 and dense_attention is not None:
-            out = dense_attention(query, key, value)
+        if not self.has_tokens:
+            if not self.is_initialized:
+                self._initialize(query, key, value)
+            if dense_attention is not None:
+                out = dense_attention(query, key, value)
+            else:
+                out = self._mixed_attention(query, key, value, new_valid)
+            self._store(query, key, value, new_valid)
+            return out
+        if not torch.compiler.is_compiling():
+            self.maintain()
+        out = self._mixed_attention(query, key, value, new_valid)
+        if s == 1:
+            self._store_decode_token(query, key, value, new_valid)
         else:
-            out = self._mixed_attention(query, key, value, new_valid, scaling)
-        with torch.no_grad():
-            self._append(query.detach(), key.detach(), value.detach(), new_valid)
-        self.seen += s
+            self._store(query, key, value, new_valid)
         return out
 
-    def _mixed_attention(self, query, key, value, new_valid, scaling) -> torch.Tensor:
-        """Reference attention over FP16 chunks, dequantized chunks, the tail and the new tokens."""
-        k_all, v_all, _, valid_old = self.physical_cache(key, value)
-        b, s = new_valid.shape
-        causal = torch.ones(s, s, dtype=torch.bool, device=key.device).tril()
-        mask = torch.cat(
-            [valid_old[:, None, :].expand(b, s, valid_old.shape[1]), causal[None] & new_valid[:, None, :]], dim=-1
-        )
-        out = torch.nn.functional.scaled_dot_product_attention(
-            query, k_all, v_all, attn_mask=mask[:, None], scale=scaling, enable_gqa=query.shape[1] != key.shape[1]
-        )
-        return out.transpose(1, 2)
+    @torch.compiler.disable
+    def _initialize(self, query, key, value) -> None:
+        self.lazy_initialization(key, value, query)
+
+    def _mixed_attention(self, query, key, value, new_valid) -> torch.Tensor:
+        """``hqekv::mixed_attention`` over the chunk pools, the tail and the new tokens."""
+        return kernels.mixed_attention(
+            query, key, value, new_valid, self._pool_list(KEY), self._pool_list(VALUE),
+            self.k_tier, self.k_slot, self.v_tier, self.v_slot, self.tail_k, self.tail_v, self.tail_len,
+            self.scaling, self.value_group,
+        )  # fmt: skip
+
+    @torch.compiler.disable
+    def _store(self, query, key, value, new_valid) -> None:
+        """Store a whole input eagerly: window, tail, flush of full chunks, re-ranking when due."""
+        with torch.no_grad():
+            self._append(query.detach(), key.detach(), value.detach(), new_valid)
+        self.has_tokens = True
+
+    def _store_decode_token(self, query, key, value, new_valid) -> None:
+        """Write one token per row into the tail and the query window, with fixed shapes.
+
+        The tail has room: :meth:`maintain` flushed it when it filled up.
+        """
+        with torch.no_grad():
+            b, h, _, d = key.shape
+            ok = new_valid[:, 0]
+            at = self.tail_len.clamp(max=self.config.chunk_size - 1)[:, None, None, None].expand(b, h, 1, d)
+            for tail, new in ((self.tail_k, key), (self.tail_v, value)):
+                tail.scatter_(2, at, torch.where(ok[:, None, None, None], new.to(tail.dtype), tail.gather(2, at)))
+            self.tail_len += ok
+
+            def roll(window, new, dim, cond):
+                rolled = torch.cat([window.narrow(dim, 1, window.shape[dim] - 1), new.to(window.dtype)], dim)
+                return torch.where(cond, rolled, window)
+
+            self.win_q.copy_(roll(self.win_q, query, 2, ok[:, None, None, None]))
+            self.win_pos.copy_(roll(self.win_pos, self.real_len[:, None], 1, ok[:, None]))
+            self.win_valid.copy_(roll(self.win_valid, ok[:, None], 1, ok[:, None]))
+            self.real_len += ok
+            self.since_rerank += ok
+
+    def maintain(self) -> None:
+        """Flush full tails into FP16 chunks and re-rank the rows that are due (SPEC §1.4); eager.
+
+        A decode step leaves a tail of G tokens in place; this moves it into the chunk table
+        before the next token is stored (the patched model calls it before every forward).
+        """
+        if not self.is_initialized:
+            return
+        g = self.config.chunk_size
+        full = self.tail_len >= g
+        if not bool(full.any()):
+            return
+        with torch.no_grad():
+            chunk = lambda t: t[:, None].transpose(1, 2).reshape(t.shape[0], 1, *t.shape[1:])  # noqa: E731
+            self._add_fp16_chunks(chunk(self.tail_k), chunk(self.tail_v), full[:, None])
+            self.tail_len = torch.where(full, 0, self.tail_len)
+            due = full & (self.since_rerank >= self.config.rerank_interval)
+            if bool(due.any()):
+                self.rerank(due)
 
     # --- storage -------------------------------------------------------------------------------
 
     def _pools(self, component: str) -> tuple[torch.Tensor, dict[int, QuantizedPool]]:
         """(FP16 slots, quantized pools by tier) of one component."""
         return (self.k_fp, self.k_q) if component == KEY else (self.v_fp, self.v_q)
+
+    def _pool_list(self, component: str) -> list[torch.Tensor]:
+        """The pools of one component in ``hqekv::mixed_attention`` order."""
+        fp, quantized = self._pools(component)
+        return [fp, *(x for t in QUANTIZED_TIERS for x in quantized[t].tensors())]
 
     def _set_pools(self, component: str, fp: torch.Tensor, quantized: dict[int, QuantizedPool]) -> None:
         if component == KEY:
@@ -283,40 +345,22 @@ class HqeKVLayer(CacheLayerMixin):
         """The kept tokens, dequantized: chunks, then the tail, then ``new_*`` (B, H, S, D) if given.
 
         -> keys, values (B, H, C·G + G + S, D) model dtype, positions (B, C·G + G) int64 (index
-        of each cached token within its sequence), valid (B, C·G + G) bool. Each pool is
-        dequantized once and written straight into one buffer per component.
+        of each cached token within its sequence), valid (B, C·G + G) bool.
         """
         g = self.config.chunk_size
         b, c = self.chunk_pos.shape
-        h, d = self.num_kv_heads, self.head_dim
-        s = 0 if new_keys is None else new_keys.shape[2]
-        chunk_valid = self.chunk_pos >= 0
         out = []
         for component, tier, slot, tail, new in (
             (KEY, self.k_tier, self.k_slot, self.tail_k, new_keys),
             (VALUE, self.v_tier, self.v_slot, self.tail_v, new_values),
         ):
-            fp, pools = self._pools(component)
-            group_len = g if component == KEY else self.value_group
-            buffer = torch.empty(b, h, c * g + g + s, d, dtype=self.dtype, device=self.device)
-            chunks = buffer[:, :, : c * g].view(b, h, c, g, d)
-            for t in (FP16, *QUANTIZED_TIERS):
-                rows, cols = (chunk_valid & (tier == t)).nonzero(as_tuple=True)
-                if rows.numel() == 0:
-                    continue
-                pool = fp if t == FP16 else decode_chunks(pools[t], t, component, group_len, self.dtype)
-                chunks[rows, :, cols] = pool[slot[rows, cols]]
-            empty_rows, empty_cols = (~chunk_valid).nonzero(as_tuple=True)
-            chunks[empty_rows, :, empty_cols] = 0  # masked out, but never uninitialised memory
-            buffer[:, :, c * g : c * g + g] = tail
-            if s:
-                buffer[:, :, c * g + g :] = new
-            out.append(buffer)
+            chunks = gather_chunks(self._pool_list(component), tier, slot, component == KEY, self.value_group, self.dtype)
+            out.append(torch.cat([chunks, tail, *([] if new is None else [new])], dim=2))
         ar = torch.arange(g, device=self.device)
         positions = torch.cat(
             [(self.chunk_pos[:, :, None] * g + ar).reshape(b, c * g), self.n_chunks[:, None] * g + ar], dim=1
         )
-        valid = torch.cat([chunk_valid.repeat_interleave(g, dim=1), ar[None, :] < self.tail_len[:, None]], dim=1)
+        valid = torch.cat([(self.chunk_pos >= 0).repeat_interleave(g, dim=1), ar[None, :] < self.tail_len[:, None]], dim=1)
         return out[0], out[1], positions, valid
 
     def _append(self, query, key, value, new_valid) -> None:
@@ -559,10 +603,21 @@ class HqeKVCache(Cache):
         self.config = config
         self.input_valid: torch.Tensor | None = None
 
+    def maintain(self) -> None:
+        """Flush full tails and re-rank where due, in every layer (eager; see :meth:`HqeKVLayer.maintain`)."""
+        for layer in self.layers:
+            layer.maintain()
+
+    def advance(self, n_new: int) -> None:
+        """Count ``n_new`` more tokens in the logical length of every layer, after a forward."""
+        for layer in self.layers:
+            layer.seen += n_new
+
     def memory_report(self):
         """Real bytes per tier and part, against FP16 and dense caches: a :class:`MemoryReport`."""
         from .memory import MemoryReport
 
+        self.maintain()
         report = MemoryReport()
         g = self.config.chunk_size
         for layer in self.layers:

@@ -131,11 +131,10 @@ class CompressionObjective:
             per_component = []
             for component, dense in ((KEY, keys), (VALUE, values)):
                 chunks = dense[0, :, : c * g].reshape(layer.num_kv_heads, c, g, layer.head_dim).transpose(0, 1)
-                group_len = g if component == KEY else layer.value_group
                 tiers = [chunks]
                 for t in QUANTIZED_TIERS:
                     pool = encode_chunks(chunks, t, component, layer.value_group, layer.meta_dtype)
-                    tiers.append(decode_chunks(pool, t, component, group_len, layer.dtype))
+                    tiers.append(decode_chunks(pool, t, component, g, layer.head_dim, layer.value_group, layer.dtype))
                 per_component.append(torch.stack(tiers))
             self.scores.append((score_k, score_v))
             self.dequantized.append(tuple(per_component))

@@ -237,7 +237,9 @@ def _wrap_decoder_forward(model, original):
     ]
     record_ref = lambda: getattr(model, _RECORD, None)  # noqa: E731
 
-    def forward(*args, **kwargs):
+    @torch.compiler.disable
+    def prepare(args, kwargs) -> tuple[dict, HqeKVCache | None, int]:
+        """Eager step before each forward: cache, padding mask, maintenance, fixed-shape inputs."""
         if "past_key_values" in kwargs and kwargs.get("cache") is None:
             kwargs["cache"] = kwargs.pop("past_key_values")
         if len(args) > len(positional):
@@ -250,25 +252,47 @@ def _wrap_decoder_forward(model, original):
         if cache is None and use_cache:
             cache = new_cache(model)
             arguments["cache"] = cache
-        if isinstance(cache, HqeKVCache):
-            inputs = arguments.get("input_ids")
-            if inputs is None:
-                inputs = arguments.get("inputs_embeds")
-            if inputs is None:
-                raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
-            n_new = inputs.shape[1]
-            if n_new == 0:
-                raise ValueError("empty input: the prompt has no tokens")
-            valid = _input_valid(arguments.get("attention_mask"), n_new)
-            if valid is not None and cache.get_seq_length() == 0:
-                empty_rows = (~valid.any(1)).nonzero().flatten().tolist()
-                if empty_rows:
-                    raise ValueError(f"batch rows {empty_rows} are all padding: each prompt needs a real token")
-            cache.input_valid = valid
-            record = record_ref()
-            if record is not None:
-                record.last_cache = weakref.ref(cache)
-        return original(**arguments)
+        if not isinstance(cache, HqeKVCache):
+            return arguments, None, 0
+        inputs = arguments.get("input_ids")
+        if inputs is None:
+            inputs = arguments.get("inputs_embeds")
+        if inputs is None:
+            raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        n_new = inputs.shape[1]
+        if n_new == 0:
+            raise ValueError("empty input: the prompt has no tokens")
+        valid = _input_valid(arguments.get("attention_mask"), n_new)
+        seen = cache.get_seq_length()
+        if valid is not None and seen == 0:
+            empty_rows = (~valid.any(1)).nonzero().flatten().tolist()
+            if empty_rows:
+                raise ValueError(f"batch rows {empty_rows} are all padding: each prompt needs a real token")
+        cache.input_valid = valid
+        record = record_ref()
+        if record is not None:
+            record.last_cache = weakref.ref(cache)
+        if seen:
+            # The cache holds tokens: attention goes through hqekv::mixed_attention, which masks
+            # padding with `input_valid`. Positions come as a tensor and the model's own mask is a
+            # fixed-shape placeholder, so no length reaches a compiled graph as a Python int.
+            cache.maintain()
+            if arguments.get("position_ids") is None:
+                positions = torch.arange(seen, seen + n_new, device=inputs.device)
+                arguments["position_ids"] = positions[None].expand(inputs.shape[0], n_new)
+            arguments["attention_mask"] = torch.ones(inputs.shape[0], 1, n_new, 1, dtype=torch.bool, device=inputs.device)
+        return arguments, cache, n_new
+
+    @torch.compiler.disable
+    def finish(cache: HqeKVCache, n_new: int) -> None:
+        cache.advance(n_new)
+
+    def forward(*args, **kwargs):
+        arguments, cache, n_new = prepare(args, kwargs)
+        out = original(**arguments)
+        if cache is not None:
+            finish(cache, n_new)
+        return out
 
     return forward
 

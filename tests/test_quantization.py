@@ -99,17 +99,16 @@ def test_chunk_pools_round_trip_per_tier(component):
     from hqekv.policy import INT1, INT2, INT4
 
     chunks = torch.randn(3, 2, 32, 64, generator=torch.Generator().manual_seed(2))
-    group_len = 32
     errors = []
     for tier, words in ((INT4, 4), (INT2, 2), (INT1, 1)):
         pool = encode_chunks(chunks, tier, component, 32, torch.float16)
         assert pool.codes.dtype == torch.int32 and pool.codes.shape[-1] == words
         assert pool.meta0.dtype == torch.float16
-        out = decode_chunks(pool, tier, component, group_len, torch.float32)
+        out = decode_chunks(pool, tier, component, 32, 64, 32, torch.float32)
         assert out.shape == chunks.shape
         errors.append((out - chunks).pow(2).mean().item())
     assert errors[0] < errors[1] < errors[2] < 1.0
     constant = torch.full((1, 2, 32, 64), 0.5, dtype=torch.float16)
     for tier in (INT4, INT2, INT1):
         pool = encode_chunks(constant, tier, component, 32, torch.float16)
-        assert torch.equal(decode_chunks(pool, tier, component, group_len, torch.float16), constant)
+        assert torch.equal(decode_chunks(pool, tier, component, 32, 64, 32, torch.float16), constant)

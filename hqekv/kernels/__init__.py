@@ -1,8 +1,13 @@
-"""Kernels of the hot path (``hqekv::`` custom ops).
+"""Kernels of the hot path, registered as ``hqekv::`` custom ops (``torch.ops.hqekv.*``).
 
-The current path is the pure-PyTorch reference: quantizers in :mod:`hqekv.quantization`,
-packing in :mod:`hqekv.packing`, attention over the mixed cache in
-:meth:`hqekv.cache.HqeKVLayer.physical_cache` + SDPA. Triton kernels registered as
-``torch.library`` ops, with those functions as their CPU implementation and test
-reference, belong in this package.
+- :func:`quantize_pack`: chunks -> packed codes + metadata (4/2-bit uniform, 1-bit normalized)
+- :func:`dequantize`: the inverse
+- :func:`mixed_attention`: attention of new queries over the whole mixed-tier cache
+
+Each ``kernels/<name>.py`` holds ``<name>_reference`` (pure PyTorch: the CPU implementation
+and the test reference) beside the Triton kernel ``<name>_triton`` that CUDA tensors use.
 """
+
+from .ops import dequantize, mixed_attention, quantize_pack
+
+__all__ = ["dequantize", "mixed_attention", "quantize_pack"]

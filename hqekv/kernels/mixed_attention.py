@@ -32,7 +32,7 @@ from ._triton import HAVE_TRITON, INTERPRET, next_power_of_2, require_triton
 from .dequantize import dequantize_reference
 
 if HAVE_TRITON:
-    from ._triton import cast_rne, tl, triton
+    from ._triton import tl, triton
     from .dequantize import load_key_tile, load_value_tile
 
 POOL_ORDER = ("fp16", "int4.codes", "int4.meta0", "int4.meta1", "int2.codes", "int2.meta0", "int2.meta1",

@@ -1,0 +1,106 @@
+"""The ``hqekv::`` custom ops: schemas, fake (meta) implementations and device dispatch.
+
+Each op runs its pure-PyTorch reference on CPU (and any device without a kernel) and
+its Triton kernel on CUDA. The ops are opaque to ``torch.compile``: the fakes give the
+output shapes, so a compiled graph holds them without a graph break on any device.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ._triton import HAVE_TRITON
+from .dequantize import dequantize_reference, dequantize_triton
+from .mixed_attention import mixed_attention_reference, mixed_attention_triton
+from .quantize_pack import packed_shapes, quantize_pack_reference, quantize_pack_triton
+
+
+@torch.library.custom_op("hqekv::quantize_pack", mutates_args=())
+def quantize_pack(
+    x: Tensor, bits: int, normalized: bool, per_channel: bool, group: int, meta_dtype: torch.dtype
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Chunks (N, H, G, D) -> packed codes int32, meta0, meta1 (see :mod:`hqekv.kernels.quantize_pack`)."""
+    return quantize_pack_reference(x, bits, normalized, per_channel, group, meta_dtype)
+
+
+@quantize_pack.register_fake
+def _(x, bits, normalized, per_channel, group, meta_dtype):
+    codes_shape, meta_shape = packed_shapes(x.shape, bits, per_channel, group)
+    return x.new_empty(codes_shape, dtype=torch.int32), x.new_empty(meta_shape, dtype=meta_dtype), x.new_empty(
+        meta_shape, dtype=meta_dtype
+    )
+
+
+@torch.library.custom_op("hqekv::dequantize", mutates_args=())
+def dequantize(
+    codes: Tensor,
+    meta0: Tensor,
+    meta1: Tensor,
+    bits: int,
+    normalized: bool,
+    per_channel: bool,
+    group: int,
+    chunk_size: int,
+    head_dim: int,
+    dtype: torch.dtype,
+) -> Tensor:
+    """Packed codes + metadata -> chunks (N, H, chunk_size, head_dim) ``dtype``."""
+    out = dequantize_reference(codes, meta0, meta1, bits, normalized, per_channel, group, chunk_size, head_dim, dtype)
+    return out.contiguous()
+
+
+@dequantize.register_fake
+def _(codes, meta0, meta1, bits, normalized, per_channel, group, chunk_size, head_dim, dtype):
+    return codes.new_empty(codes.shape[0], codes.shape[1], chunk_size, head_dim, dtype=dtype)
+
+
+@torch.library.custom_op("hqekv::mixed_attention", mutates_args=())
+def mixed_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    new_valid: Tensor,
+    k_pools: list[Tensor],
+    v_pools: list[Tensor],
+    k_tier: Tensor,
+    k_slot: Tensor,
+    v_tier: Tensor,
+    v_slot: Tensor,
+    tail_k: Tensor,
+    tail_v: Tensor,
+    tail_len: Tensor,
+    scaling: float,
+    value_group: int,
+) -> Tensor:
+    """Attention of query (B, Hq, S, D) over the mixed cache and the new tokens -> (B, S, Hq, D)."""
+    return mixed_attention_reference(
+        query, key, value, new_valid, k_pools, v_pools, k_tier, k_slot, v_tier, v_slot, tail_k, tail_v, tail_len,
+        scaling, value_group,
+    ).contiguous()  # fmt: skip
+
+
+@mixed_attention.register_fake
+def _(query, key, value, new_valid, k_pools, v_pools, k_tier, k_slot, v_tier, v_slot, tail_k, tail_v, tail_len,
+      scaling, value_group):  # fmt: skip
+    b, hq, s, d = query.shape
+    return query.new_empty(b, s, hq, d)
+
+
+if HAVE_TRITON:
+
+    @quantize_pack.register_kernel("cuda")
+    def _(x, bits, normalized, per_channel, group, meta_dtype):
+        return quantize_pack_triton(x, bits, normalized, per_channel, group, meta_dtype)
+
+    @dequantize.register_kernel("cuda")
+    def _(codes, meta0, meta1, bits, normalized, per_channel, group, chunk_size, head_dim, dtype):
+        return dequantize_triton(codes, meta0, meta1, bits, normalized, per_channel, group, chunk_size, head_dim, dtype)
+
+    @mixed_attention.register_kernel("cuda")
+    def _(query, key, value, new_valid, k_pools, v_pools, k_tier, k_slot, v_tier, v_slot, tail_k, tail_v, tail_len,
+          scaling, value_group):  # fmt: skip
+        return mixed_attention_triton(
+            query, key, value, new_valid, k_pools, v_pools, k_tier, k_slot, v_tier, v_slot, tail_k, tail_v, tail_len,
+            scaling, value_group,
+        )  # fmt: skip
