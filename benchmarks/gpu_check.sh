@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# GPU check (one H200, <= 8 minutes): the kernel tests on CUDA, then the decode-attention
+# benchmark. Runs with the machine's own python3 (torch + triton + transformers, no network):
+#   bash benchmarks/gpu_check.sh [OUT_DIR]
+# Writes OUT_DIR/gpu_tests.log and OUT_DIR/gpu_kernels.json (default benchmarks/results).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out="${1:-benchmarks/results}"
+mkdir -p "$out"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+unset TRITON_INTERPRET
+python3 - <<'PY'
+import torch, triton
+assert torch.cuda.is_available(), "no CUDA device"
+print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name())
+PY
+# Kernel tests (Triton compiled for the GPU, compared with the CPU references) and the
+# patched model's compiled decode on CUDA.
+timeout 300 python3 -m pytest -q -p no:cacheprovider tests/kernels tests/test_compile.py -k "not smollm2" 2>&1 | tee "$out/gpu_tests.log"
+timeout 240 python3 benchmarks/kernels.py --out "$out/gpu_kernels.json"

@@ -1,0 +1,191 @@
+"""The Triton kernels against their PyTorch references, opcheck, and compile of the ops.
+
+On CPU the kernels run under ``TRITON_INTERPRET=1`` (set in ``tests/conftest.py``). Codes
+and metadata must match the reference exactly; attention outputs within the tolerances in
+:data:`ATTENTION_TOL` (relative to the output scale: fp32 rounding, then about two units in
+the last place of fp16 / bf16, where the kernel multiplies in that dtype).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hqekv import kernels
+from hqekv.kernels._triton import HAVE_TRITON
+from hqekv.kernels.dequantize import dequantize_reference, dequantize_triton
+from hqekv.kernels.mixed_attention import mixed_attention_reference, mixed_attention_triton
+from hqekv.kernels.quantize_pack import quantize_pack_reference, quantize_pack_triton
+
+from .random_cache import random_mixed_cache
+
+pytestmark = pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+FORMATS = [(4, False), (2, False), (1, True)]  # the three quantized tiers
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+CHUNK_SHAPES = [
+    (3, 2, 32, 64),  # SmolLM2-like: G = 32, D = 64
+    (2, 1, 24, 80),  # G = 24 (not a multiple of 32 codes per word), value group 32 does not divide D = 80
+    (1, 3, 16, 48),  # short chunks, a short last value group of 16
+]
+ATTENTION_TOL = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+
+
+def meta_dtype_for(dtype):
+    return torch.bfloat16 if dtype == torch.bfloat16 else torch.float16
+
+
+def chunks_for(shape, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=gen) * torch.linspace(0.1, 8.0, shape[-1])  # channels of different scales
+    x[0, 0] = 0.75  # a constant chunk: every group constant
+    if shape[0] > 1:
+        x[1, 0, :, :3] = 0.0  # constant channels inside a varied chunk
+    return x.to(dtype).to(DEVICE)
+
+
+@pytest.mark.parametrize("shape", CHUNK_SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits,normalized", FORMATS)
+@pytest.mark.parametrize("per_channel", [True, False], ids=["keys", "values"])
+def test_quantize_pack_kernel_equals_reference(shape, dtype, bits, normalized, per_channel):
+    x = chunks_for(shape, dtype)
+    args = (bits, normalized, per_channel, 32, meta_dtype_for(dtype))
+    expected = quantize_pack_reference(x.cpu(), *args)
+    got = quantize_pack_triton(x, *args)
+    for name, e, g in zip(("codes", "meta0", "meta1"), expected, got):
+        assert g.shape == e.shape and g.dtype == e.dtype, name
+        torch.testing.assert_close(g.cpu(), e, atol=0, rtol=0, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("shape", CHUNK_SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits,normalized", FORMATS)
+@pytest.mark.parametrize("per_channel", [True, False], ids=["keys", "values"])
+def test_dequantize_kernel_equals_reference(shape, dtype, bits, normalized, per_channel):
+    x = chunks_for(shape, dtype, seed=1).cpu()
+    packed = quantize_pack_reference(x, bits, normalized, per_channel, 32, meta_dtype_for(dtype))
+    args = (bits, normalized, per_channel, 32, shape[2], shape[3], dtype)
+    expected = dequantize_reference(*packed, *args)
+    got = dequantize_triton(*(t.to(DEVICE) for t in packed), *args)
+    # the interpreter computes code·scale + zero exactly as torch does; a GPU may fuse it into one FMA
+    tol = 0 if DEVICE == "cpu" else torch.finfo(dtype).eps
+    torch.testing.assert_close(got.cpu(), expected, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("per_channel", [True, False], ids=["keys", "values"])
+def test_uniform_round_trip_error_is_within_half_a_step(per_channel):
+    x = chunks_for((2, 2, 32, 80), torch.float32, seed=2).cpu()
+    for bits in (4, 2):
+        codes, scale, zero = quantize_pack_reference(x, bits, False, per_channel, 32, torch.float32)
+        y = dequantize_reference(codes, scale, zero, bits, False, per_channel, 32, 32, 80, torch.float32)
+        if per_channel:
+            step = scale[:, :, None, :]  # (N, H, 1, D)
+        else:
+            step = scale.repeat_interleave(32, dim=-1)[..., :80]  # (N, H, G, D)
+        assert ((y - x).abs() <= step / 2 + 1e-5).all()
+    assert torch.equal(y[0, 0], x[0, 0])  # the constant chunk round-trips exactly
+
+
+MIXED_SHAPES = {
+    "decode": dict(b=2, hq=4, hkv=2, s=1, d=16, n_chunks=5, value_group=16),
+    "gqa-7:1-odd": dict(b=1, hq=7, hkv=1, s=3, d=48, n_chunks=4, g=24, value_group=32, empty_every=3),
+    "one-kv-head": dict(b=2, hq=1, hkv=1, s=2, d=32, n_chunks=3),
+    "group-not-dividing": dict(b=1, hq=2, hkv=1, s=1, d=80, n_chunks=3, value_group=32),
+    "no-chunks": dict(b=2, hq=2, hkv=2, s=2, d=64, n_chunks=0),
+}
+
+
+@pytest.mark.parametrize("name", list(MIXED_SHAPES))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_mixed_attention_kernel_equals_reference(name, dtype):
+    args = random_mixed_cache(dtype=dtype, **MIXED_SHAPES[name])
+    expected = mixed_attention_reference(**args)
+    on_device = {k: ([t.to(DEVICE) for t in v] if isinstance(v, list) else v.to(DEVICE) if torch.is_tensor(v) else v)
+                 for k, v in args.items()}  # fmt: skip
+    tol = ATTENTION_TOL[dtype]
+    scale = expected.abs().max().item()
+    for splits in (1, 2):
+        got = mixed_attention_triton(**on_device, n_splits=splits).cpu()
+        assert got.shape == expected.shape and got.dtype == expected.dtype
+        torch.testing.assert_close(got.float(), expected.float(), atol=tol * scale, rtol=0)
+
+
+def test_mixed_attention_query_that_sees_nothing_gets_zeros():
+    args = random_mixed_cache(b=1, hq=2, hkv=1, s=2, d=16, n_chunks=0, value_group=16)
+    args["tail_len"] = torch.zeros(1, dtype=torch.long)  # empty cache; new token 0 is padding
+    expected = mixed_attention_reference(**args)
+    assert torch.equal(expected[0, 0], torch.zeros_like(expected[0, 0]))
+    assert torch.isfinite(expected).all()
+    on_device = {k: ([t.to(DEVICE) for t in v] if isinstance(v, list) else v.to(DEVICE) if torch.is_tensor(v) else v)
+                 for k, v in args.items()}  # fmt: skip
+    got = mixed_attention_triton(**on_device).cpu()
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+
+
+def test_mixed_attention_matches_dense_attention_when_every_chunk_is_fp16():
+    """All-FP16 tables: the op is plain causal attention over the concatenated tokens."""
+    args = random_mixed_cache(b=2, hq=4, hkv=2, s=3, d=16, n_chunks=3, value_group=16, tiers=(0,))
+    args["new_valid"][:] = True
+    out = mixed_attention_reference(**args)
+    fp_k, fp_v = args["k_pools"][0], args["v_pools"][0]
+    for row in range(2):
+        n_tail = int(args["tail_len"][row])
+        keys = [fp_k[i] for i in args["k_slot"][row].tolist()] + [args["tail_k"][row, :, :n_tail]]
+        values = [fp_v[i] for i in args["v_slot"][row].tolist()] + [args["tail_v"][row, :, :n_tail]]
+        k = torch.cat([*keys, args["key"][row]], dim=1)
+        v = torch.cat([*values, args["value"][row]], dim=1)
+        k, v = k.repeat_interleave(2, dim=0), v.repeat_interleave(2, dim=0)
+        logits = args["query"][row] @ k.transpose(-1, -2) * args["scaling"]
+        n_old = k.shape[1] - 3
+        causal = torch.ones(3, 3, dtype=torch.bool).tril()
+        mask = torch.cat([torch.ones(3, n_old, dtype=torch.bool), causal], dim=1)
+        dense = torch.softmax(logits.masked_fill(~mask, -torch.inf), -1) @ v  # (Hq, S, D)
+        torch.testing.assert_close(out[row].transpose(0, 1), dense, atol=1e-5, rtol=1e-5)
+
+
+def op_args():
+    x = chunks_for((3, 2, 32, 48), torch.float32).cpu()
+    packed = quantize_pack_reference(x, 1, True, False, 32, torch.float16)
+    mixed = random_mixed_cache(b=2, hq=4, hkv=2, s=2, d=16, n_chunks=3, value_group=16)
+    return {
+        "quantize_pack": (kernels.quantize_pack, (x, 4, False, True, 32, torch.float16)),
+        "dequantize": (kernels.dequantize, (*packed, 1, True, False, 32, 32, 48, torch.float32)),
+        "mixed_attention": (kernels.mixed_attention, tuple(mixed.values())),
+    }
+
+
+@pytest.mark.parametrize("name", ["quantize_pack", "dequantize", "mixed_attention"])
+def test_opcheck(name):
+    op, args = op_args()[name]
+    torch.library.opcheck(op, args)
+
+
+@pytest.mark.parametrize("name", ["quantize_pack", "dequantize", "mixed_attention"])
+def test_ops_compile_fullgraph(name):
+    op, args = op_args()[name]
+    torch._dynamo.reset()
+    compiled = torch.compile(op, fullgraph=True, backend="aot_eager")
+    expected, got = op(*args), compiled(*args)
+    for e, g in zip(expected if isinstance(expected, tuple) else (expected,), got if isinstance(got, tuple) else (got,)):
+        assert torch.equal(e, g)
+
+
+def test_ops_are_registered_in_the_hqekv_namespace():
+    for name in ("quantize_pack", "dequantize", "mixed_attention"):
+        assert hasattr(torch.ops.hqekv, name)
+
+
+def test_bad_arguments_get_clear_errors():
+    x = torch.randn(2, 1, 32, 64)
+    with pytest.raises(RuntimeError, match="bits must be"):
+        kernels.quantize_pack(x, 3, False, True, 32, torch.float16)
+    with pytest.raises(RuntimeError, match="value group"):
+        kernels.quantize_pack(x, 4, False, False, 128, torch.float16)
+    codes, m0, m1 = kernels.quantize_pack(x, 4, False, True, 32, torch.float16)
+    with pytest.raises(RuntimeError, match="codes of shape"):
+        kernels.dequantize(codes, m0, m1, 2, False, True, 32, 32, 64, torch.float32)
+    args = random_mixed_cache(b=1, hq=3, hkv=2, s=1, d=16, n_chunks=1, value_group=16)
+    with pytest.raises(RuntimeError, match="not a multiple"):
+        kernels.mixed_attention(*args.values())
