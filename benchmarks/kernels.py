@@ -142,7 +142,6 @@ def main(argv=None) -> dict:
                 f"memory {row['memory_ratio']:.3f} of FP16; max err {err:.2e}",
                 flush=True,
             )
-            del pools, dense_k, dense_v, k_all, v_all
             torch.cuda.empty_cache()
     result = {
         "benchmark": "decode attention, one Llama-3-8B-shaped layer (32 q heads, 8 KV heads, D=128), batch 1",
