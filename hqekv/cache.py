@@ -278,6 +278,20 @@ class HqeKVLayer(CacheLayerMixin):
         with torch.no_grad():
             self._append(query.detach(), key.detach(), value.detach(), new_valid)
         self.has_tokens = True
+        self._mark_sizes_dynamic()
+
+    def _mark_sizes_dynamic(self) -> None:
+        """Tell ``torch.compile`` that pool sizes and table widths vary, so they never cause a recompile.
+
+        They only reach a compiled graph as inputs of the opaque ``hqekv::mixed_attention`` op,
+        whose output shape does not depend on them; marked unbacked, they are not specialized
+        (not even at 0 or 1) and the decode graph is compiled once.
+        """
+        for component in (KEY, VALUE):
+            for t in self._pool_list(component):
+                torch._dynamo.decorators.mark_unbacked(t, 0)
+        for t in (self.k_tier, self.k_slot, self.v_tier, self.v_slot):
+            torch._dynamo.decorators.mark_unbacked(t, 1)
 
     def _store_decode_token(self, query, key, value, new_valid) -> None:
         """Write one token per row into the tail and the query window, with fixed shapes.
@@ -321,6 +335,7 @@ class HqeKVLayer(CacheLayerMixin):
             due = full & (self.since_rerank >= self.config.rerank_interval)
             if bool(due.any()):
                 self.rerank(due)
+        self._mark_sizes_dynamic()
 
     # --- storage -------------------------------------------------------------------------------
 
