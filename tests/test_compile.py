@@ -1,0 +1,140 @@
+"""torch.compile of a patched model: same tokens as eager, no graph break in the decode
+attention, and no recompilation per decode step (issue: kernels + compile)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounterWithBackend
+from transformers import LogitsProcessor, LogitsProcessorList
+
+import hqekv
+from hqekv.config import TierRatios
+
+from .conftest import tiny_llama
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+MIXED = TierRatios(int4=0.3, int2=0.4, int1=0.2, evict=0.1)  # every tier, eviction too
+
+
+class CompileCounts(LogitsProcessor):
+    """Records, at each generated token, how many frames the counter has compiled so far."""
+
+    def __init__(self, counter):
+        self.counter = counter
+        self.per_step: list[int] = []
+
+    def __call__(self, input_ids, scores):
+        self.per_step.append(self.counter.frame_count)
+        return scores
+
+
+def compiled_generate(model, inputs: dict, new_tokens: int, backend: str):
+    """Greedy generate with ``model.forward`` compiled; -> (tokens, frames compiled at each step)."""
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend(backend)
+    counts = CompileCounts(counter)
+    eager_forward = model.forward
+    model.forward = torch.compile(eager_forward, backend=counter)
+    try:
+        with torch.no_grad():
+            out = model.generate(
+                **inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                logits_processor=LogitsProcessorList([counts]),
+            )  # fmt: skip
+    finally:
+        model.forward = eager_forward
+    return out, counts.per_step
+
+
+def greedy(model, inputs: dict, new_tokens: int):
+    with torch.no_grad():
+        return model.generate(**inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+
+
+def test_compiled_generate_equals_eager_and_compiles_decode_once():
+    model = tiny_llama().to(DEVICE)
+    hqekv.patch_model(model, ratios=MIXED)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, 128, (2, 50), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[1, :7] = 0  # left padding in row 1
+    inputs = {"input_ids": ids.to(DEVICE), "attention_mask": mask.to(DEVICE)}
+    new_tokens = 100  # three chunk flushes, re-ranks with 1-bit chunks and evictions
+    eager = greedy(model, inputs, new_tokens)
+    compiled, per_step = compiled_generate(model, inputs, new_tokens, "inductor")
+    assert torch.equal(compiled, eager)
+    # Prefill and the first decode step compile their graphs; the 98 steps after that,
+    # across flushes and re-ranks that resize pools and tables, compile nothing.
+    assert per_step[1] > per_step[0] > 0
+    assert per_step[-1] == per_step[1], per_step
+
+
+def decode_state(model, n_prompt: int = 70):
+    """A patched model's cache after an eager prefill, and the next position."""
+    cache = hqekv.new_cache(model)
+    ids = torch.randint(1, 128, (1, n_prompt), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    with torch.no_grad():
+        model(input_ids=ids, cache=cache)
+    return cache, n_prompt
+
+
+def attention_inputs(model, position: int, seed: int):
+    hidden = torch.randn(1, 1, model.config.hidden_size, generator=torch.Generator().manual_seed(seed)).to(DEVICE)
+    pe = model.model.rotary_emb(hidden, torch.tensor([[position]], device=DEVICE))
+    return hidden, pe
+
+
+def test_decode_attention_forward_has_no_graph_break():
+    model = tiny_llama().to(DEVICE)
+    hqekv.patch_model(model, ratios=MIXED)
+    cache, position = decode_state(model)
+    attention = model.model.layers[0].self_attn
+    hidden, pe = attention_inputs(model, position, seed=2)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        explanation = torch._dynamo.explain(attention.forward)(hidden, pe, None, cache=cache)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    assert explanation.graph_count == 1
+
+
+def test_decode_attention_compiles_fullgraph_once_over_flushes_and_reranks():
+    """The attention forward alone under fullgraph=True, 80 decode steps, against eager."""
+    heavy = TierRatios(int4=0.2, int2=0.2, int1=0.3, evict=0.3)
+    eager_model, compiled_model = tiny_llama().to(DEVICE), tiny_llama().to(DEVICE)
+    for m in (eager_model, compiled_model):
+        hqekv.patch_model(m, ratios=heavy)
+    (eager_cache, position), (compiled_cache, _) = decode_state(eager_model, 400), decode_state(compiled_model, 400)
+    layer = compiled_cache.layers[0]
+    evicted_after_prefill = int(layer.n_evicted.sum())
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("eager")
+    attention = compiled_model.model.layers[0].self_attn
+    step = torch.compile(attention.forward, backend=counter, fullgraph=True)
+    eager_attention = eager_model.model.layers[0].self_attn
+    for i in range(80):
+        hidden, pe = attention_inputs(eager_model, position + i, seed=10 + i)
+        for cache in (eager_cache, compiled_cache):
+            cache.maintain()  # the patched model runs this before each forward
+        with torch.no_grad():
+            expected, _ = eager_attention(hidden, pe, None, cache=eager_cache)
+            got, _ = step(hidden, pe, None, cache=compiled_cache)
+        torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-5)
+        for cache in (eager_cache, compiled_cache):
+            cache.layers[0].seen += 1
+    assert counter.frame_count == 1  # one graph for all 80 steps
+    assert int(layer.n_evicted.sum()) > evicted_after_prefill  # decode re-ranked and evicted, in place
+
+
+def test_compiled_smollm2_generate_equals_eager(smollm2):
+    model, tokenizer = smollm2
+    hqekv.patch_model(model, bavg=2.0)
+    try:
+        text = " ".join(["The quick brown fox jumps over the lazy dog near the river bank."] * 30)
+        inputs = tokenizer(text + " Question: what does the fox jump over? Answer:", return_tensors="pt")
+        eager = greedy(model, inputs, 40)
+        compiled, per_step = compiled_generate(model, inputs, 40, "inductor")
+        assert torch.equal(compiled, eager), tokenizer.batch_decode(torch.stack([eager[0], compiled[0]]))
+        assert per_step[-1] == per_step[1], per_step
+    finally:
+        hqekv.unpatch_model(model)
