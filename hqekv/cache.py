@@ -369,8 +369,8 @@ class HqeKVLayer(CacheLayerMixin):
             (KEY, self.k_tier, self.k_slot, self.tail_k, new_keys),
             (VALUE, self.v_tier, self.v_slot, self.tail_v, new_values),
         ):
-            chunks = gather_chunks(self._pool_list(component), tier, slot, component == KEY, self.value_group, self.dtype)
-            out.append(torch.cat([chunks, tail, *([] if new is None else [new])], dim=2))
+            cached = gather_chunks(self._pool_list(component), tier, slot, component == KEY, self.value_group, self.dtype, tail)
+            out.append(cached if new is None else torch.cat([cached, new], dim=2))
         ar = torch.arange(g, device=self.device)
         positions = torch.cat(
             [(self.chunk_pos[:, :, None] * g + ar).reshape(b, c * g), self.n_chunks[:, None] * g + ar], dim=1

@@ -49,8 +49,9 @@ def quantize_uniform(
 def dequantize_uniform(
     codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor:
-    """codes (..., n) uint8, scale (...,), zero (...,) -> x̂ (..., n) dtype."""
-    x = codes.float() * scale.float().unsqueeze(-1) + zero.float().unsqueeze(-1)
+    """codes (..., n) uint8 (or float32), scale (...,), zero (...,) -> x̂ (..., n) dtype."""
+    x = codes.float() * scale.float().unsqueeze(-1)
+    x += zero.float().unsqueeze(-1)
     return x.to(dtype)
 
 

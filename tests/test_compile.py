@@ -3,7 +3,6 @@ attention, and no recompilation per decode step (issue: kernels + compile)."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 from transformers import LogitsProcessor, LogitsProcessorList

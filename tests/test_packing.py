@@ -37,3 +37,14 @@ def test_bad_bits_and_word_count():
         pack_codes(torch.zeros(4, dtype=torch.uint8), 3)
     with pytest.raises(ValueError, match="words"):
         unpack_codes(torch.zeros(3, dtype=torch.int32), 4, 8)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+@pytest.mark.parametrize("n", [32, 24, 64])
+def test_unpack_to_float_equals_unpack_to_uint8(bits, n):
+    codes = torch.randint(0, 2**bits, (3, 5, n), generator=torch.Generator().manual_seed(bits))
+    words = pack_codes(codes, bits)
+    as_float = unpack_codes(words, bits, n, torch.float32)
+    assert as_float.dtype == torch.float32
+    assert torch.equal(as_float, unpack_codes(words, bits, n).float())
+    assert torch.equal(as_float, codes.float())

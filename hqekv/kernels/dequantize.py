@@ -47,7 +47,8 @@ def dequantize_reference(
     """
     check_args(codes, meta0, meta1, bits, normalized, per_channel, group, chunk_size, head_dim)
     method = NORMALIZED if normalized else UNIFORM
-    x = dequantize(unpack_codes(codes, bits, chunk_size if per_channel else group), meta0, meta1, bits, method, dtype)
+    codes = unpack_codes(codes, bits, chunk_size if per_channel else group, torch.float32 if method == UNIFORM else torch.uint8)
+    x = dequantize(codes, meta0, meta1, bits, method, dtype)
     if per_channel:
         return key_chunks(x)
     return x.flatten(-2)[..., :head_dim]

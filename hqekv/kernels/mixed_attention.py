@@ -26,7 +26,8 @@ import math
 
 import torch
 
-from ..policy import FP16, INT1, INT2, INT4
+from ..policy import INT1, INT2, INT4
+from ..packing import unpack_codes
 from ..quantization import normal_tables
 from ._triton import HAVE_TRITON, INTERPRET, next_power_of_2, require_triton
 from .dequantize import dequantize_reference
@@ -64,28 +65,60 @@ def check_args(query, key, value, new_valid, k_pools, v_pools, k_tier, k_slot, v
 
 
 def gather_chunks(
-    pools: list[torch.Tensor], tier: torch.Tensor, slot: torch.Tensor, per_channel: bool, group: int, dtype: torch.dtype
+    pools: list[torch.Tensor],
+    tier: torch.Tensor,
+    slot: torch.Tensor,
+    per_channel: bool,
+    group: int,
+    dtype: torch.dtype,
+    tail: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Dequantize the chunks a table references into one buffer: (B, C) -> (B, H, C·G, D) ``dtype``.
 
-    Empty entries are zeros. Only referenced slots are read, so free pool slots never are.
+    Each tier's pool is dequantized whole (one pass per tier) into one slot buffer, then one
+    gather puts the chunks in table order. Empty entries are zeros. With ``tail`` (B, H, G, D),
+    each row's tail follows its chunks: -> (B, H, (C + 1)·G, D).
     """
     fp = pools[0]
     b, c = tier.shape
     _, h, g, d = fp.shape
-    chunks = fp.new_zeros(b, c, h, g, d, dtype=dtype)
-    for t in (FP16, *QUANTIZED_TIERS):
-        rows, cols = (tier == t).nonzero(as_tuple=True)
-        if rows.numel() == 0:
-            continue
-        slots = slot[rows, cols]
-        if t == FP16:
-            chunks[rows, cols] = fp[slots].to(dtype)
-        else:
-            bits, normalized = TIER_FORMATS[t]
-            codes, m0, m1 = (x[slots] for x in quantized_pool(pools, t))
-            chunks[rows, cols] = dequantize_reference(codes, m0, m1, bits, normalized, per_channel, group, g, d, dtype)
-    return chunks.permute(0, 2, 1, 3, 4).reshape(b, h, c * g, d)
+    sizes = [fp.shape[0]] + [quantized_pool(pools, t)[0].shape[0] for t in QUANTIZED_TIERS]
+    n_tail = 0 if tail is None else b
+    every = fp.new_empty(sum(sizes) + n_tail + 1, h, g, d, dtype=dtype)  # + tails + one zero chunk
+    every[: sizes[0]] = fp
+    start = sizes[0]
+    for t, n in zip(QUANTIZED_TIERS, sizes[1:]):
+        bits, normalized = TIER_FORMATS[t]
+        every[start : start + n] = dequantize_reference(*quantized_pool(pools, t), bits, normalized, per_channel, group, g, d, dtype)
+        start += n
+    if tail is not None:
+        every[start : start + b] = tail
+    every[-1] = 0
+    offsets = torch.tensor([0, *sizes[:-1]], device=tier.device).cumsum(0)
+    index = torch.where(tier >= 0, offsets[tier.clamp(min=0)] + slot, every.shape[0] - 1)
+    if tail is not None:
+        index = torch.cat([index, start + torch.arange(b, device=tier.device)[:, None]], dim=1)
+    # (H, B, C', G, D) -> (B, H, C'·G, D): a view when B = 1
+    return every.transpose(0, 1)[:, index].transpose(0, 1).reshape(b, h, index.shape[1] * g, d)
+
+
+def _linear_codes(pools: list[torch.Tensor], tier: int, per_channel: bool, group: int, g: int, d: int):
+    """A quantized pool as float codes and the affine map x = codes·a + b that dequantizes them.
+
+    keys:   codes (N, H, D, G) (a key chunk transposed), a, b (N, H, D, 1)
+    values: codes (N, H, G, ng, group), a, b (N, H, G, ng, 1)
+    Normalized 1-bit is affine too: centre[c]·std + mean = c·(Δ·std) + (centre[0]·std + mean).
+    """
+    bits, normalized = TIER_FORMATS[tier]
+    words, m0, m1 = quantized_pool(pools, tier)
+    codes = unpack_codes(words, bits, g if per_channel else group, torch.float32)
+    m0, m1 = m0.float()[..., None], m1.float()[..., None]
+    if normalized:
+        _, centres = normal_tables(bits, words.device)
+        if bits != 1:
+            raise NotImplementedError("the CPU mixed attention reads normalized codes of 1 bit only")
+        return codes, (centres[1] - centres[0]) * m0, centres[0] * m0 + m1
+    return codes, m0, m1
 
 
 def mixed_attention_reference(
@@ -105,22 +138,69 @@ def mixed_attention_reference(
     scaling: float,
     value_group: int,
 ) -> torch.Tensor:
-    """Pure-PyTorch mixed attention; the CPU implementation and the kernel's test reference."""
+    """Pure-PyTorch mixed attention; the CPU implementation and the kernel's test reference.
+
+    Never builds a dequantized copy of the cache: each tier's pool is read where it lies.
+    1. logits of every pool slot, per tier (keys as float codes: q·k = (q⊙a)·codes + q·b),
+       then of the tail and the new tokens, in float32;
+    2. one softmax over all of them, masked to the slots in each row's table;
+    3. the probabilities moved from key-slot order to value-slot order (a chunk's K and V may
+       sit in different tiers), and each value pool weighted by them.
+    Query heads of a KV group attend together as one block of R = (Hq / Hkv)·S rows.
+    """
     check_args(query, key, value, new_valid, k_pools, v_pools, k_tier, k_slot, v_tier, v_slot, tail_k, tail_v, tail_len)
     b, hq, s, d = query.shape
-    g = tail_k.shape[2]
-    dtype = query.dtype
-    keys = torch.cat([gather_chunks(k_pools, k_tier, k_slot, True, value_group, dtype), tail_k.to(dtype), key], 2)
-    values = torch.cat([gather_chunks(v_pools, v_tier, v_slot, False, value_group, dtype), tail_v.to(dtype), value], 2)
-    ar = torch.arange(g, device=query.device)
-    cached = torch.cat([(k_tier >= 0).repeat_interleave(g, dim=1), ar[None, :] < tail_len[:, None]], dim=1)
-    causal = torch.ones(s, s, dtype=torch.bool, device=query.device).tril()
-    mask = torch.cat([cached[:, None, :].expand(b, s, cached.shape[1]), causal[None] & new_valid[:, None, :]], dim=-1)
-    out = torch.nn.functional.scaled_dot_product_attention(
-        query, keys, values, attn_mask=mask[:, None], scale=scaling, enable_gqa=hq != key.shape[1]
-    )
-    out = torch.where(mask.any(-1)[:, None, :, None], out, 0)  # a query that sees nothing: zeros, not NaN
-    return out.transpose(1, 2)
+    hkv, g = key.shape[1], tail_k.shape[2]
+    gq = hq // hkv
+    r = gq * s
+    dev = query.device
+    q = query.float().reshape(b, hkv, r, d) * scaling  # rows: (query head in group, new token)
+    q5 = q[:, None]  # (B, 1, H, R, D)
+
+    # 1. logits per key pool slot (B, N, H, R, G), in pool order fp16, 4, 2, 1 bit
+    logits = [q5 @ k_pools[0].float().transpose(-1, -2)[None]]
+    for t in QUANTIZED_TIERS:
+        codes, a, c = _linear_codes(k_pools, t, True, value_group, g, d)
+        logits.append((q5 * a.transpose(-1, -2)[None]) @ codes[None] + q5 @ c[None])
+    k_sizes = [x.shape[1] for x in logits]
+    slot_logits = torch.cat(logits, dim=1).permute(0, 2, 3, 1, 4)  # (B, H, R, Nk, G)
+    nk = slot_logits.shape[3]
+    tail_logits = q @ tail_k.float().transpose(-1, -2)  # (B, H, R, G)
+    new_logits = q @ key.float().transpose(-1, -2)  # (B, H, R, S)
+
+    # 2. masks: the slots of each row's table, its tail, and causal + padding over the new tokens
+    def global_slots(tier, slot, sizes):
+        offsets = torch.tensor([0, *sizes[:-1]], device=dev).cumsum(0)
+        return torch.where(tier >= 0, offsets[tier.clamp(min=0)] + slot, sum(sizes))  # empty -> a spare slot
+
+    kg = global_slots(k_tier, k_slot, k_sizes)  # (B, C)
+    own = torch.zeros(b, nk + 1, dtype=torch.bool, device=dev).scatter_(1, kg, True)[:, :nk]
+    ar = torch.arange(g, device=dev)
+    new_ok = torch.ones(s, s, dtype=torch.bool, device=dev).tril()[None] & new_valid[:, None, :]  # (B, S, S)
+    mask = torch.cat(
+        [own[:, :, None].expand(b, nk, g).reshape(b, 1, nk * g).expand(b, r, nk * g),
+         (ar[None, :] < tail_len[:, None])[:, None].expand(b, r, g),
+         new_ok.repeat(1, gq, 1)], dim=-1,
+    )  # (B, R, Nk·G + G + S)  # fmt: skip
+    flat = torch.cat([slot_logits.reshape(b, hkv, r, nk * g), tail_logits, new_logits], dim=-1)
+    probs = torch.softmax(flat.masked_fill(~mask[:, None], -torch.inf), dim=-1).nan_to_num(0.0)  # sees nothing: 0
+
+    # 3. probabilities in value-slot order, then the weighted values of every pool
+    v_sizes = [v_pools[0].shape[0]] + [quantized_pool(v_pools, t)[0].shape[0] for t in QUANTIZED_TIERS]
+    nv = sum(v_sizes)
+    vg = global_slots(v_tier, v_slot, v_sizes)
+    to_key = torch.full((b, nv + 1), nk, dtype=torch.long, device=dev).scatter_(1, vg, kg)[:, :nv]  # nk: zeros
+    p_slots = torch.cat([probs[..., : nk * g].reshape(b, hkv, r, nk, g), probs.new_zeros(b, hkv, r, 1, g)], dim=3)
+    p_v = p_slots.gather(3, to_key[:, None, None, :, None].expand(b, hkv, r, nv, g)).permute(0, 3, 1, 2, 4)
+    out = (probs[..., nk * g : nk * g + g] @ tail_v.float()) + (probs[..., nk * g + g :] @ value.float())
+    parts = p_v.split(v_sizes, dim=1)  # (B, N_t, H, R, G) each
+    out = out + (parts[0] @ v_pools[0].float()[None]).sum(1)
+    ng = -(-d // value_group)
+    for p_t, t in zip(parts[1:], QUANTIZED_TIERS):
+        codes, a, c = _linear_codes(v_pools, t, False, value_group, g, d)  # (N, H, G, ng, group), (N, H, G, ng, 1)
+        v_t = torch.addcmul(c, codes, a).reshape(*codes.shape[:3], ng * value_group)[..., :d]  # (N, H, G, D)
+        out = out + (p_t @ v_t[None]).sum(1)
+    return out.reshape(b, hkv, gq, s, d).permute(0, 3, 1, 2, 4).reshape(b, s, hq, d).to(query.dtype)
 
 
 if HAVE_TRITON:
