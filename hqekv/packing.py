@@ -72,7 +72,7 @@ def unpack_codes(words: torch.Tensor, bits: int, n: int, dtype: torch.dtype = to
         if words.shape[-1] != packed_words(n, bits):
             raise ValueError(f"{words.shape[-1]} words cannot hold exactly {n} codes of {bits} bits")
         table = _byte_table(bits, words.device).to(dtype)
-        by = words.contiguous().view(torch.uint8).long()
+        by = words.contiguous().view(torch.uint8).int()
         return torch.nn.functional.embedding(by, table).reshape(*words.shape[:-1], n)
     if words.shape[-1] != packed_words(n, bits):
         raise ValueError(
