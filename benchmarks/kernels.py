@@ -81,10 +81,18 @@ def build_cache(n_tokens: int, bavg: float, dtype, device, gen):
     return pools, tier, slot, dense_k, dense_v, kept_counts, n_evicted
 
 
-def bench(fn) -> float:
-    from triton.testing import do_bench
+def bench(fn, device) -> float:
+    """Median milliseconds of ``fn``: ``triton.testing.do_bench`` on CUDA, a timed loop on CPU."""
+    if device.type == "cuda":
+        from triton.testing import do_bench
 
-    return float(do_bench(fn, warmup=50, rep=200, return_mode="median"))  # ms
+        return float(do_bench(fn, warmup=50, rep=200, return_mode="median"))
+    times = []
+    for _ in range(7):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return sorted(times)[len(times) // 2]
 
 
 def main(argv=None) -> dict:
@@ -93,10 +101,15 @@ def main(argv=None) -> dict:
     parser.add_argument("--bavg", type=float, nargs="+", default=[2.0, 3.2])
     parser.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
     parser.add_argument("--out", default="benchmarks/results/gpu_kernels.json")
+    parser.add_argument("--cpu-smoke", action="store_true",
+                        help="check the script on CPU (the PyTorch reference, fp32) at the given lengths; not a benchmark")  # fmt: skip
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("benchmarks/kernels.py needs a CUDA GPU")
-    device, dtype = torch.device("cuda"), getattr(torch, args.dtype)
+    if args.cpu_smoke:
+        device, dtype = torch.device("cpu"), torch.float32
+    elif torch.cuda.is_available():
+        device, dtype = torch.device("cuda"), getattr(torch, args.dtype)
+    else:
+        raise SystemExit("benchmarks/kernels.py needs a CUDA GPU (or --cpu-smoke to check the script on CPU)")
     gen = torch.Generator(device=device).manual_seed(0)
     scaling = 1 / math.sqrt(D)
     q = torch.randn(1, HQ, 1, D, generator=gen, device=device).to(dtype)
@@ -125,13 +138,13 @@ def main(argv=None) -> dict:
             # correctness against the dequantized reference before timing
             ref = dequantized().transpose(1, 2)
             err = (mixed().float() - ref.float()).abs().max().item()
-            t_sdpa, t_mixed, t_deq = bench(sdpa), bench(mixed), bench(dequantized)
+            t_sdpa, t_mixed, t_deq = bench(sdpa, device), bench(mixed, device), bench(dequantized, device)
             stored = sum(t.nbytes for comp in pools.values() for t in comp) + 4 * tier.nbytes
             row = {
                 "context": n, "bavg": bavg, "chunks_fp16_4_2_1": counts, "chunks_evicted": n_evicted,
                 "sdpa_ms": t_sdpa, "mixed_attention_ms": t_mixed, "dequantize_sdpa_ms": t_deq,
                 "mixed_vs_sdpa_speed": t_sdpa / t_mixed, "dequantize_sdpa_vs_sdpa_speed": t_sdpa / t_deq,
-                "cache_bytes_fp16": dense_k.nbytes + dense_v.nbytes, "cache_bytes_hqekv": stored,
+                "cache_bytes_dense": dense_k.nbytes + dense_v.nbytes, "cache_bytes_hqekv": stored,
                 "memory_ratio": stored / (dense_k.nbytes + dense_v.nbytes), "max_abs_err_vs_reference": err,
                 "setup_s": time.perf_counter() - t0,
             }  # fmt: skip
@@ -139,16 +152,17 @@ def main(argv=None) -> dict:
             print(
                 f"N={n:>6} bavg={bavg}: sdpa {t_sdpa:.3f} ms, mixed_attention {t_mixed:.3f} ms "
                 f"({row['mixed_vs_sdpa_speed']:.2f}x), dequantize+sdpa {t_deq:.3f} ms; "
-                f"memory {row['memory_ratio']:.3f} of FP16; max err {err:.2e}",
+                f"memory {row["memory_ratio"]:.3f} of dense; max err {err:.2e}",
                 flush=True,
             )
-            torch.cuda.empty_cache()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
     result = {
         "benchmark": "decode attention, one Llama-3-8B-shaped layer (32 q heads, 8 KV heads, D=128), batch 1",
-        "device": torch.cuda.get_device_name(),
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (smoke check, not a benchmark)",
         "torch": torch.__version__,
         "python": platform.python_version(),
-        "dtype": args.dtype,
+        "dtype": str(dtype).removeprefix("torch."),
         "rows": rows,
     }
     out = Path(args.out)

@@ -473,7 +473,7 @@ class HqeKVLayer(CacheLayerMixin):
         them, so attention sees the same values without re-quantizing per trial. ``chunk_pos``
         (B, C') holds the logical chunk indices, -1 for empty entries; slots follow the valid
         entries in row-major order. ``n_evicted`` (B,) counts the dropped chunks. Tail, window
-        and lengths are shared with this layer, which is left unchanged.
+        and lengths are copied from this layer, which is left unchanged.
         """
         if not self.is_initialized:
             raise ValueError("with_dense_chunks needs a layer that has seen tokens")
@@ -481,6 +481,8 @@ class HqeKVLayer(CacheLayerMixin):
         if int(valid.sum()) != k_chunks.shape[0] or k_chunks.shape != v_chunks.shape:
             raise ValueError(f"{int(valid.sum())} chunk entries but {k_chunks.shape[0]} key / {v_chunks.shape[0]} value chunks")
         layer = copy.copy(self)
+        for name in ("tail_k", "tail_v", "tail_len", "win_q", "win_pos", "win_valid", "real_len", "since_rerank"):
+            setattr(layer, name, getattr(self, name).clone())  # decode steps update these in place
         layer.config = config
         layer.k_fp, layer.v_fp = k_chunks, v_chunks
         empty = k_chunks.new_zeros(0, *k_chunks.shape[1:])
@@ -632,7 +634,6 @@ class HqeKVCache(Cache):
         """Real bytes per tier and part, against FP16 and dense caches: a :class:`MemoryReport`."""
         from .memory import MemoryReport
 
-        self.maintain()
         report = MemoryReport()
         g = self.config.chunk_size
         for layer in self.layers:
