@@ -152,7 +152,7 @@ def main(argv=None) -> dict:
             print(
                 f"N={n:>6} bavg={bavg}: sdpa {t_sdpa:.3f} ms, mixed_attention {t_mixed:.3f} ms "
                 f"({row['mixed_vs_sdpa_speed']:.2f}x), dequantize+sdpa {t_deq:.3f} ms; "
-                f"memory {row["memory_ratio"]:.3f} of dense; max err {err:.2e}",
+                f"memory {row['memory_ratio']:.3f} of dense; max err {err:.2e}",
                 flush=True,
             )
             if device.type == "cuda":
