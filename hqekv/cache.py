@@ -463,38 +463,51 @@ class HqeKVLayer(CacheLayerMixin):
         score_v = importance.chunk_scores(metric_v[:, : c * g], g)
         return keys, values, score_k, score_v
 
-    def with_dense_chunks(
-        self, config: HqeKVConfig, k_chunks: torch.Tensor, v_chunks: torch.Tensor, chunk_pos: torch.Tensor, n_evicted
+    def with_tiers(
+        self,
+        config: HqeKVConfig,
+        k_tier: torch.Tensor,
+        v_tier: torch.Tensor,
+        k_encoded: dict[int, torch.Tensor | QuantizedPool],
+        v_encoded: dict[int, torch.Tensor | QuantizedPool],
     ) -> "HqeKVLayer":
-        """A copy of this layer whose kept chunks are the given values, held as FP16 slots.
+        """A copy of this one-row layer with its chunks put in the given tiers, as a re-rank would.
 
-        Calibration scores a tier assignment this way (SPEC §1.5): ``k_chunks``/``v_chunks``
-        (N, H, G, D) model dtype are the chunks as a cache holding those tiers would dequantize
-        them, so attention sees the same values without re-quantizing per trial. ``chunk_pos``
-        (B, C') holds the logical chunk indices, -1 for empty entries; slots follow the valid
-        entries in row-major order. ``n_evicted`` (B,) counts the dropped chunks. Tail, window
-        and lengths are copied from this layer, which is left unchanged.
+        Calibration scores a tier assignment this way (SPEC §1.5) without re-running the
+        prefill. ``k_tier``/``v_tier`` (1, C) give each chunk of this layer's table a tier
+        (EVICTED drops it from both). ``*_encoded[tier]`` hold every chunk at that tier:
+        FP16 chunks (C, H, G, D) or a QuantizedPool of C slots, encoded from this layer's FP16
+        values. Each tier's pool takes its chunks in table order, as :meth:`_rebuild` stores
+        chunks that move down from FP16, so attention over the copy is the attention over
+        a cache that compressed the same prefill. Tail, window and lengths are copied; this
+        layer is left unchanged.
         """
-        if not self.is_initialized:
-            raise ValueError("with_dense_chunks needs a layer that has seen tokens")
-        valid = chunk_pos >= 0
-        if int(valid.sum()) != k_chunks.shape[0] or k_chunks.shape != v_chunks.shape:
-            raise ValueError(f"{int(valid.sum())} chunk entries but {k_chunks.shape[0]} key / {v_chunks.shape[0]} value chunks")
+        if not self.is_initialized or self.batch_size != 1:
+            raise ValueError("with_tiers needs a one-row layer that has seen tokens")
+        if not bool((self.k_tier[self.chunk_pos >= 0] == FP16).all()):
+            raise ValueError("with_tiers re-tiers FP16 chunks only (the state right after an FP16 prefill)")
         layer = copy.copy(self)
         for name in ("tail_k", "tail_v", "tail_len", "win_q", "win_pos", "win_valid", "real_len", "since_rerank"):
             setattr(layer, name, getattr(self, name).clone())  # decode steps update these in place
         layer.config = config
-        layer.k_fp, layer.v_fp = k_chunks, v_chunks
-        empty = k_chunks.new_zeros(0, *k_chunks.shape[1:])
-        layer.k_q = {t: encode_chunks(empty, t, KEY, self.value_group, self.meta_dtype) for t in QUANTIZED_TIERS}
-        layer.v_q = {t: encode_chunks(empty, t, VALUE, self.value_group, self.meta_dtype) for t in QUANTIZED_TIERS}
-        slots = valid.flatten().long().cumsum(0).reshape(valid.shape) - 1
-        layer.chunk_pos = chunk_pos
-        layer.k_tier = torch.where(valid, FP16, -1)
-        layer.v_tier = layer.k_tier.clone()
-        layer.k_slot = torch.where(valid, slots, -1)
-        layer.v_slot = layer.k_slot.clone()
-        layer.n_evicted = torch.as_tensor(n_evicted, dtype=torch.long, device=self.device).expand(self.batch_size).clone()
+        kept = (self.chunk_pos[0] >= 0) & (k_tier[0] != EVICTED)
+        index = kept.nonzero().flatten()
+        for component, tier, encoded in ((KEY, k_tier[0, index], k_encoded), (VALUE, v_tier[0, index], v_encoded)):
+            slot = torch.full_like(tier, -1)
+            pools = {}
+            for t in (FP16, *QUANTIZED_TIERS):
+                at = (tier == t).nonzero().flatten()
+                slot[at] = torch.arange(at.numel(), device=self.device)
+                chunks = index[at]
+                pools[t] = encoded[t][chunks] if t == FP16 else encoded[t].select(chunks)
+            layer._set_pools(component, pools[FP16], {t: pools[t] for t in QUANTIZED_TIERS})
+            if component == KEY:
+                layer.k_tier, layer.k_slot = tier[None], slot[None]
+            else:
+                layer.v_tier, layer.v_slot = tier[None], slot[None]
+        layer.chunk_pos = self.chunk_pos[:, index]
+        layer.n_evicted = self.n_evicted + int((~kept).sum())
+        layer._mark_sizes_dynamic()
         return layer
 
     def rerank(self, rows: torch.Tensor) -> None:

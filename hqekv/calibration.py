@@ -20,7 +20,7 @@ from typing import Sequence
 import torch
 
 from . import policy
-from .cache import KEY, QUANTIZED_TIERS, VALUE, HqeKVCache, decode_chunks, encode_chunks
+from .cache import KEY, QUANTIZED_TIERS, VALUE, HqeKVCache, encode_chunks
 from .config import FP16_RATIOS, HqeKVConfig, TierRatios, check_bavg
 
 ALPHA = 2.0
@@ -80,12 +80,13 @@ class CompressionObjective:
     """Scores tier ratios on one calibration context and continuation (SPEC §1.5).
 
     Built once: the FP16 prefill of ``context`` (1, N), each layer's chunk scores and each
-    chunk dequantized at every tier. :meth:`kl` then costs one forward of ``continuation``
-    (1, L) over the compressed context. The reference distributions come from the same
-    forward over the uncompressed context, so all-FP16 ratios score exactly 0.
+    chunk encoded at every quantized tier. :meth:`kl` then assigns tiers, picks each chunk's
+    codes into per-tier pools (what a compressed prefill stores, bit for bit) and runs one
+    forward of ``continuation`` (1, L) over them. The reference distributions come from the
+    same forward over the uncompressed context, so all-FP16 ratios score exactly 0.
 
-    Memory: four copies of the context's K/V in the model dtype (full precision and the
-    three quantized tiers dequantized), e.g. ~3 GB for SmolLM2-135M at 16K tokens in fp32.
+    Memory: the context's K/V in the model dtype plus their codes at 4, 2 and 1 bit (under
+    half as much again), e.g. ~1.1 GB for SmolLM2-135M at 16K tokens in fp32.
 
     Parameters
     ----------
@@ -122,7 +123,7 @@ class CompressionObjective:
             model(self.context, cache=cache, use_cache=True, logits_to_keep=1)
         self.base = cache
         self.scores = []  # per layer: score_k, score_v (1, C)
-        self.dequantized = []  # per layer: keys, values (1 + 3 tiers, C, H, G, D)
+        self.encoded = []  # per layer: keys, values {tier: every chunk at that tier}
         for layer in cache.layers:
             keys, values, score_k, score_v = layer.chunk_importance()
             c = layer.chunk_pos.shape[1]
@@ -131,13 +132,12 @@ class CompressionObjective:
             per_component = []
             for component, dense in ((KEY, keys), (VALUE, values)):
                 chunks = dense[0, :, : c * g].reshape(layer.num_kv_heads, c, g, layer.head_dim).transpose(0, 1)
-                tiers = [chunks]
+                encoded = {0: chunks.contiguous()}
                 for t in QUANTIZED_TIERS:
-                    pool = encode_chunks(chunks, t, component, layer.value_group, layer.meta_dtype)
-                    tiers.append(decode_chunks(pool, t, component, g, layer.head_dim, layer.value_group, layer.dtype))
-                per_component.append(torch.stack(tiers))
+                    encoded[t] = encode_chunks(chunks, t, component, layer.value_group, layer.meta_dtype)
+                per_component.append(encoded)
             self.scores.append((score_k, score_v))
-            self.dequantized.append(tuple(per_component))
+            self.encoded.append(tuple(per_component))
         self.setup_seconds = time.perf_counter() - start
         self.reference = self._log_probs(FP16_RATIOS)
 
@@ -167,20 +167,13 @@ class CompressionObjective:
         return out
 
     def compressed_cache(self, ratios: TierRatios) -> HqeKVCache:
-        """A cache holding the context as ``ratios`` would compress it (dequantized values)."""
+        """A cache holding the context as ``ratios`` would compress it: the chunks' codes, per tier."""
         ratios = TierRatios.coerce(ratios)
         cache = HqeKVCache(self._trial_config, len(self.base.layers))
-        for i, (layer, (k_tier, v_tier), (k_all, v_all)) in enumerate(
-            zip(self.base.layers, self.tiers(ratios), self.dequantized)
+        for i, (layer, (k_tier, v_tier), (k_encoded, v_encoded)) in enumerate(
+            zip(self.base.layers, self.tiers(ratios), self.encoded)
         ):
-            kept = k_tier[0] != policy.EVICTED
-            index = kept.nonzero().flatten()
-            k_chunks = k_all[k_tier[0, index], index]
-            v_chunks = v_all[v_tier[0, index], index]
-            chunk_pos = layer.chunk_pos[:, index]
-            cache.layers[i] = layer.with_dense_chunks(
-                self._trial_config, k_chunks, v_chunks, chunk_pos, int((~kept).sum())
-            )
+            cache.layers[i] = layer.with_tiers(self._trial_config, k_tier, v_tier, k_encoded, v_encoded)
         return cache
 
     def _log_probs(self, ratios: TierRatios) -> torch.Tensor:

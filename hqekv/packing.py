@@ -69,10 +69,8 @@ def unpack_codes(words: torch.Tensor, bits: int, n: int, dtype: torch.dtype = to
     if dtype.is_floating_point and bits in (1, 4) and n == words.shape[-1] * per_word and sys.byteorder == "little":
         # One table lookup per byte gives the codes as floats directly (measured faster than
         # shift, mask and convert for 1 and 4 bits on CPU; words are little-endian bytes).
-        if words.shape[-1] != packed_words(n, bits):
-            raise ValueError(f"{words.shape[-1]} words cannot hold exactly {n} codes of {bits} bits")
         table = _byte_table(bits, words.device).to(dtype)
-        by = words.contiguous().view(torch.uint8).int()
+        by = words.contiguous().reshape(-1).view(torch.uint8).int()  # (a size-1 axis may have stride 0)
         return torch.nn.functional.embedding(by, table).reshape(*words.shape[:-1], n)
     if words.shape[-1] != packed_words(n, bits):
         raise ValueError(

@@ -48,3 +48,12 @@ def test_unpack_to_float_equals_unpack_to_uint8(bits, n):
     assert as_float.dtype == torch.float32
     assert torch.equal(as_float, unpack_codes(words, bits, n).float())
     assert torch.equal(as_float, codes.float())
+
+
+def test_unpack_to_float_reads_words_with_any_strides():
+    codes = torch.randint(0, 2, (2, 32), generator=torch.Generator().manual_seed(0))
+    words = pack_codes(codes, 1)  # (2, 1)
+    odd = torch.empty_strided((2, 1), (1, 0), dtype=torch.int32)  # a size-1 axis with stride 0
+    odd.copy_(words)
+    assert torch.equal(unpack_codes(odd, 1, 32, torch.float32), codes.float())
+    assert torch.equal(unpack_codes(words.t().contiguous().t(), 1, 32, torch.float32), codes.float())
