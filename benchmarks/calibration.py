@@ -29,6 +29,8 @@ def main():
     parser.add_argument("--reference-trials", type=int, default=1)
     parser.add_argument("--bavg", type=float, default=3.2)
     args = parser.parse_args()
+    if args.trials < 1 or args.reference_trials < 1:
+        parser.error("--trials and --reference-trials must be at least 1 (the speed-up compares the two)")
     warnings.simplefilter("ignore")
     model, tok = load_smollm2()
     text = calibration_text(tok, args.context_tokens, CONTINUATION_TOKENS)

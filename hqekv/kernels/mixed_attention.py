@@ -137,10 +137,55 @@ def mixed_attention_reference(
     tail_len: torch.Tensor,
     scaling: float,
     value_group: int,
+    *,
+    strategy: str | None = None,
 ) -> torch.Tensor:
     """Pure-PyTorch mixed attention; the CPU implementation and the kernel's test reference.
 
-    Never builds a dequantized copy of the cache: each tier's pool is read where it lies.
+    Two strategies compute the same attention (``strategy=None`` picks by the query count):
+
+    - ``"pools"`` (one new token: decode): never builds a dequantized copy of the cache, see
+      :func:`_pool_attention`;
+    - ``"dense"`` (several new tokens: prefill, calibration): dequantizes the cache into one
+      buffer, a cost the many queries share, then one SDPA call.
+    """
+    check_args(query, key, value, new_valid, k_pools, v_pools, k_tier, k_slot, v_tier, v_slot, tail_k, tail_v, tail_len)
+    strategy = strategy or ("pools" if query.shape[2] == 1 else "dense")
+    args = (query, key, value, new_valid, k_pools, v_pools, k_tier, k_slot, v_tier, v_slot, tail_k, tail_v, tail_len,
+            scaling, value_group)  # fmt: skip
+    if strategy == "pools":
+        return _pool_attention(*args)
+    if strategy == "dense":
+        return _dense_attention(*args)
+    raise ValueError(f"unknown strategy {strategy!r}; expected 'pools' or 'dense'")
+
+
+def _dense_attention(
+    query, key, value, new_valid, k_pools, v_pools, k_tier, k_slot, v_tier, v_slot, tail_k, tail_v, tail_len,
+    scaling, value_group,
+) -> torch.Tensor:  # fmt: skip
+    """The cache dequantized into one buffer (chunks, tail), the new tokens after it, one SDPA call."""
+    b, hq, s, _ = query.shape
+    g = tail_k.shape[2]
+    k_all = torch.cat([gather_chunks(k_pools, k_tier, k_slot, True, value_group, query.dtype, tail_k), key], 2)
+    v_all = torch.cat([gather_chunks(v_pools, v_tier, v_slot, False, value_group, query.dtype, tail_v), value], 2)
+    ar = torch.arange(g, device=query.device)
+    cached = torch.cat([(k_tier >= 0).repeat_interleave(g, 1), ar[None, :] < tail_len[:, None]], 1)
+    causal = torch.ones(s, s, dtype=torch.bool, device=query.device).tril()[None] & new_valid[:, None, :]
+    mask = torch.cat([cached[:, None].expand(b, s, -1), causal], -1)  # (B, S, N + S)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, k_all, v_all, attn_mask=mask[:, None], scale=scaling, enable_gqa=hq != key.shape[1]
+    )
+    out = torch.where(mask.any(-1)[:, None, :, None], out, 0)  # a query that sees nothing: zeros, not NaN
+    return out.transpose(1, 2)
+
+
+def _pool_attention(
+    query, key, value, new_valid, k_pools, v_pools, k_tier, k_slot, v_tier, v_slot, tail_k, tail_v, tail_len,
+    scaling, value_group,
+) -> torch.Tensor:  # fmt: skip
+    """Attention that reads each tier's pool where it lies, never building a dequantized cache.
+
     1. logits of every pool slot, per tier (keys as float codes: q·k = (q⊙a)·codes + q·b),
        then of the tail and the new tokens, in float32;
     2. one softmax over all of them, masked to the slots in each row's table;
@@ -148,7 +193,6 @@ def mixed_attention_reference(
        sit in different tiers), and each value pool weighted by them.
     Query heads of a KV group attend together as one block of R = (Hq / Hkv)·S rows.
     """
-    check_args(query, key, value, new_valid, k_pools, v_pools, k_tier, k_slot, v_tier, v_slot, tail_k, tail_v, tail_len)
     b, hq, s, d = query.shape
     hkv, g = key.shape[1], tail_k.shape[2]
     gq = hq // hkv

@@ -14,7 +14,7 @@ import torch
 from hqekv import kernels
 from hqekv.kernels._triton import HAVE_TRITON
 from hqekv.kernels.dequantize import dequantize_reference, dequantize_triton
-from hqekv.kernels.mixed_attention import gather_chunks, mixed_attention_reference, mixed_attention_triton
+from hqekv.kernels.mixed_attention import mixed_attention_reference, mixed_attention_triton
 from hqekv.kernels.quantize_pack import quantize_pack_reference, quantize_pack_triton
 
 from .random_cache import random_mixed_cache
@@ -101,7 +101,9 @@ MIXED_SHAPES = {
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_mixed_attention_kernel_equals_reference(name, dtype):
     args = random_mixed_cache(dtype=dtype, **MIXED_SHAPES[name])
-    expected = mixed_attention_reference(**args)
+    expected = mixed_attention_reference(**args, strategy="pools")
+    torch.testing.assert_close(mixed_attention_reference(**args, strategy="dense").float(), expected.float(),
+                               atol=ATTENTION_TOL[dtype] * expected.abs().max().item(), rtol=0)  # fmt: skip
     on_device = {k: ([t.to(DEVICE) for t in v] if isinstance(v, list) else v.to(DEVICE) if torch.is_tensor(v) else v)
                  for k, v in args.items()}  # fmt: skip
     tol = ATTENTION_TOL[dtype]
@@ -112,48 +114,34 @@ def test_mixed_attention_kernel_equals_reference(name, dtype):
         torch.testing.assert_close(got.float(), expected.float(), atol=tol * scale, rtol=0)
 
 
-def dense_mixed_attention(args: dict) -> torch.Tensor:
-    """Independent oracle: dequantize the cache into one dense buffer (gather_chunks), then SDPA."""
-    q, key, value = args["query"], args["key"], args["value"]
-    b, hq, s, _ = q.shape
-    g, group = args["tail_k"].shape[2], args["value_group"]
-    k_old = gather_chunks(args["k_pools"], args["k_tier"], args["k_slot"], True, group, q.dtype, args["tail_k"])
-    v_old = gather_chunks(args["v_pools"], args["v_tier"], args["v_slot"], False, group, q.dtype, args["tail_v"])
-    ar = torch.arange(g)
-    cached = torch.cat([(args["k_tier"] >= 0).repeat_interleave(g, 1), ar[None] < args["tail_len"][:, None]], 1)
-    causal = torch.ones(s, s, dtype=torch.bool).tril()[None] & args["new_valid"][:, None, :]
-    mask = torch.cat([cached[:, None].expand(b, s, -1), causal], -1)
-    out = torch.nn.functional.scaled_dot_product_attention(
-        q, torch.cat([k_old, key], 2), torch.cat([v_old, value], 2), attn_mask=mask[:, None],
-        scale=args["scaling"], enable_gqa=True,
-    )  # fmt: skip
-    return out.transpose(1, 2)
-
-
 @pytest.mark.parametrize("name", list(MIXED_SHAPES))
-def test_mixed_attention_reference_equals_dense_attention_over_the_dequantized_cache(name):
-    """The reference reads pools per tier; a dense copy of the same cache must give the same output."""
+def test_mixed_attention_strategies_agree(name):
+    """Reading pools per tier and attending over a dense dequantized copy give the same output."""
     args = random_mixed_cache(dtype=torch.float32, **MIXED_SHAPES[name])
-    torch.testing.assert_close(mixed_attention_reference(**args), dense_mixed_attention(args), atol=2e-5, rtol=1e-5)
+    pools = mixed_attention_reference(**args, strategy="pools")
+    dense = mixed_attention_reference(**args, strategy="dense")
+    torch.testing.assert_close(pools, dense, atol=2e-5, rtol=1e-5)
 
 
 def test_mixed_attention_query_that_sees_nothing_gets_zeros():
     args = random_mixed_cache(b=1, hq=2, hkv=1, s=2, d=16, n_chunks=0, value_group=16)
     args["tail_len"] = torch.zeros(1, dtype=torch.long)  # empty cache; new token 0 is padding
-    expected = mixed_attention_reference(**args)
+    expected = mixed_attention_reference(**args, strategy="pools")
     assert torch.equal(expected[0, 0], torch.zeros_like(expected[0, 0]))
     assert torch.isfinite(expected).all()
+    assert torch.equal(mixed_attention_reference(**args, strategy="dense")[0, 0], expected[0, 0])
     on_device = {k: ([t.to(DEVICE) for t in v] if isinstance(v, list) else v.to(DEVICE) if torch.is_tensor(v) else v)
                  for k, v in args.items()}  # fmt: skip
     got = mixed_attention_triton(**on_device).cpu()
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
 
 
-def test_mixed_attention_matches_dense_attention_when_every_chunk_is_fp16():
+@pytest.mark.parametrize("strategy", ["pools", "dense"])
+def test_mixed_attention_matches_dense_attention_when_every_chunk_is_fp16(strategy):
     """All-FP16 tables: the op is plain causal attention over the concatenated tokens."""
     args = random_mixed_cache(b=2, hq=4, hkv=2, s=3, d=16, n_chunks=3, value_group=16, tiers=(0,))
     args["new_valid"][:] = True
-    out = mixed_attention_reference(**args)
+    out = mixed_attention_reference(**args, strategy=strategy)
     fp_k, fp_v = args["k_pools"][0], args["v_pools"][0]
     for row in range(2):
         n_tail = int(args["tail_len"][row])
