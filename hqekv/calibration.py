@@ -86,7 +86,7 @@ class CompressionObjective:
     same forward over the uncompressed context, so all-FP16 ratios score exactly 0.
 
     Memory: the context's K/V in the model dtype plus their codes at 4, 2 and 1 bit (under
-    half as much again), e.g. ~1.1 GB for SmolLM2-135M at 16K tokens in fp32.
+    half as much again), e.g. ~1 GB for SmolLM2-135M at 16K tokens in fp32.
 
     Parameters
     ----------
