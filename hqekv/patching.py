@@ -229,6 +229,20 @@ def patch_config(model) -> HqeKVConfig:
     return record.config
 
 
+CACHE_ARGUMENTS = ("cache", "past_key_values")
+
+
+def cache_argument(forward) -> str:
+    """The name under which ``forward`` takes its cache: ``cache`` (transformers >= 5.2x) or ``past_key_values``."""
+    return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
+
+
+def output_cache(output):
+    """The cache a model output carries: ``output.cache``, or ``output.past_key_values`` before transformers 5.2x."""
+    cache = getattr(output, "cache", None)
+    return cache if cache is not None else getattr(output, "past_key_values", None)
+
+
 def _wrap_decoder_forward(model, original):
     positional = [
         name
@@ -236,22 +250,24 @@ def _wrap_decoder_forward(model, original):
         if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
     ]
     record_ref = lambda: getattr(model, _RECORD, None)  # noqa: E731
+    cache_name = cache_argument(original)
 
     @torch.compiler.disable
     def prepare(args, kwargs) -> tuple[dict, HqeKVCache | None, int]:
         """Eager step before each forward: cache, padding mask, maintenance, fixed-shape inputs."""
-        if "past_key_values" in kwargs and kwargs.get("cache") is None:
-            kwargs["cache"] = kwargs.pop("past_key_values")
         if len(args) > len(positional):
             raise TypeError(f"{type(model).__name__} decoder takes at most {len(positional)} positional arguments")
         arguments = {**dict(zip(positional, args)), **kwargs}
-        cache = arguments.get("cache")
+        # The cache comes as `cache` or `past_key_values` (the name before transformers 5.2x);
+        # it goes on under the name this transformers version's decoder takes.
+        named = [arguments.pop(name, None) for name in CACHE_ARGUMENTS]
+        cache = next((c for c in named if c is not None), None)
         use_cache = arguments.get("use_cache")
         if use_cache is None:
             use_cache = model.config.get_text_config().use_cache
         if cache is None and use_cache:
             cache = new_cache(model)
-            arguments["cache"] = cache
+        arguments[cache_name] = cache
         if not isinstance(cache, HqeKVCache):
             return arguments, None, 0
         inputs = arguments.get("input_ids")
@@ -300,11 +316,13 @@ def _wrap_decoder_forward(model, original):
 def _wrap_prepare_cache(model):
     original = type(model)._prepare_cache_for_generation
 
+    cache_name = cache_argument(type(model).forward)
+
     def prepare(generation_config, model_kwargs, *args, **kwargs):
         user_cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
         if user_cache is None and generation_config.use_cache is not False:
             cache = new_cache(model)
-            model_kwargs["cache"] = cache
+            model_kwargs[cache_name] = cache
             getattr(model, _RECORD).current = cache
             return
         return original(model, generation_config, model_kwargs, *args, **kwargs)
@@ -313,8 +331,13 @@ def _wrap_prepare_cache(model):
 
 
 def _wrap_generate(model, original):
+    cache_name = cache_argument(type(model).forward)
+
     def generate(*args, **kwargs):
         record = getattr(model, _RECORD)
+        for name in CACHE_ARGUMENTS:  # a cache passed under either name reaches the model under its own
+            if name != cache_name and kwargs.get(name) is not None:
+                kwargs[cache_name] = kwargs.pop(name)
         try:
             return original(*args, **kwargs)
         finally:

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import hqekv
+from hqekv.patching import output_cache
 from hqekv.policy import EVICTED, FP16
 from tests.conftest import stored_bytes, tiny_llama
 
@@ -97,7 +98,7 @@ def test_memory_report_counts_every_stored_byte(tiny):
     hqekv.patch_model(tiny, ratios=MIXED, value_group=16)
     with torch.no_grad():
         out = tiny.generate(prompt(300), max_new_tokens=5, do_sample=False, return_dict_in_generate=True)
-    cache = out.cache
+    cache = output_cache(out)
     report = hqekv.memory_report(cache)
     stored = stored_bytes(cache)
     assert report.total_bytes == stored
@@ -137,7 +138,7 @@ def test_multi_token_calls_on_existing_cache(tiny):
     with torch.no_grad():
         full = tiny(ids).logits[:, -1]
         out = tiny(ids[:, :90], use_cache=True)
-        cache = out.cache
+        cache = output_cache(out)
         assert isinstance(cache, hqekv.HqeKVCache) and cache.get_seq_length() == 90
         out = tiny(ids[:, 90:170], cache=cache)
         out = tiny(ids[:, 170:], cache=cache)
@@ -147,7 +148,7 @@ def test_multi_token_calls_on_existing_cache(tiny):
     hqekv.unpatch_model(tiny)
     hqekv.patch_model(tiny, ratios=MIXED, value_group=16)
     with torch.no_grad():
-        cache = tiny(ids[:, :150], use_cache=True).cache
+        cache = output_cache(tiny(ids[:, :150], use_cache=True))
         cont = tiny(ids[:, 150:], cache=cache).logits
     assert torch.isfinite(cont).all() and cache.get_seq_length() == 200
 

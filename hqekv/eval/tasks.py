@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import data
+from ..patching import output_cache
 
 CALIBRATION_ARTICLES = 4
 """SQuAD articles [0, 4) hold the 16K-token calibration text; evaluation uses the rest."""
@@ -53,7 +54,7 @@ def greedy_generate(model, input_ids: torch.Tensor, max_new_tokens: int, eos_tok
         out = model(input_ids.to(device), use_cache=True, logits_to_keep=1)
         _sync()
         prefill_s = time.perf_counter() - start
-        cache = out.cache
+        cache = output_cache(out)
         token = out.logits[:, -1:].argmax(-1)
         tokens = [token]
         start = time.perf_counter()
@@ -82,7 +83,7 @@ def continuation_nll(model, context: torch.Tensor, continuation: torch.Tensor, s
         out = model(context, use_cache=True, logits_to_keep=1)
         _sync()
         prefill_s = time.perf_counter() - start
-        cache = out.cache
+        cache = output_cache(out)
         last = out.logits[:, -1]  # predicts the first continuation token
         start = time.perf_counter()
         for i in range(0, continuation.shape[1], step):
