@@ -15,6 +15,11 @@ One :class:`HqeKVLayer` per attention layer holds *all* request state of that la
 
 Positions stay absolute (keys are cached after RoPE): the cache reports the logical
 length to the model, and attention runs over the physical tokens.
+
+Attention goes through the ``hqekv::mixed_attention`` op (:mod:`hqekv.kernels`). A decode
+step writes its token into the tail with fixed shapes, so it compiles to one graph; a tail
+that fills up becomes a chunk, and re-ranking happens, in :meth:`HqeKVLayer.maintain`, an
+eager step run before each forward.
 """
 
 from __future__ import annotations
