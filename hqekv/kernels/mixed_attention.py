@@ -202,11 +202,12 @@ def _pool_attention(
     q5 = q[:, None]  # (B, 1, H, R, D)
 
     # 1. logits per key pool slot (B, N, H, R, G), in pool order fp16, 4, 2, 1 bit
+    k_sizes = [k_pools[0].shape[0]] + [quantized_pool(k_pools, t)[0].shape[0] for t in QUANTIZED_TIERS]
     logits = [q5 @ k_pools[0].float().transpose(-1, -2)[None]]
-    for t in QUANTIZED_TIERS:
-        codes, a, c = _linear_codes(k_pools, t, True, value_group, g, d)
-        logits.append((q5 * a.transpose(-1, -2)[None]) @ codes[None] + q5 @ c[None])
-    k_sizes = [x.shape[1] for x in logits]
+    for t, n in zip(QUANTIZED_TIERS, k_sizes[1:]):
+        if n:
+            codes, a, c = _linear_codes(k_pools, t, True, value_group, g, d)
+            logits.append((q5 * a.transpose(-1, -2)[None]) @ codes[None] + q5 @ c[None])
     slot_logits = torch.cat(logits, dim=1).permute(0, 2, 3, 1, 4)  # (B, H, R, Nk, G)
     nk = slot_logits.shape[3]
     tail_logits = q @ tail_k.float().transpose(-1, -2)  # (B, H, R, G)
@@ -214,7 +215,7 @@ def _pool_attention(
 
     # 2. masks: the slots of each row's table, its tail, and causal + padding over the new tokens
     def global_slots(tier, slot, sizes):
-        offsets = torch.tensor([0, *sizes[:-1]], device=dev).cumsum(0)
+        offsets = torch.tensor([sum(sizes[:i]) for i in range(len(sizes))], device=dev)
         return torch.where(tier >= 0, offsets[tier.clamp(min=0)] + slot, sum(sizes))  # empty -> a spare slot
 
     kg = global_slots(k_tier, k_slot, k_sizes)  # (B, C)
@@ -241,6 +242,8 @@ def _pool_attention(
     out = out + (parts[0] @ v_pools[0].float()[None]).sum(1)
     ng = -(-d // value_group)
     for p_t, t in zip(parts[1:], QUANTIZED_TIERS):
+        if p_t.shape[1] == 0:
+            continue
         codes, a, c = _linear_codes(v_pools, t, False, value_group, g, d)  # (N, H, G, ng, group), (N, H, G, ng, 1)
         v_t = torch.addcmul(c, codes, a).reshape(*codes.shape[:3], ng * value_group)[..., :d]  # (N, H, G, D)
         out = out + (p_t @ v_t[None]).sum(1)
