@@ -54,6 +54,11 @@ def dequantize_reference(
     return x.flatten(-2)[..., :head_dim]
 
 
+def packed_value_tiles(group: int, head_dim: int) -> bool:
+    """Whether value tiles can be read word-wise: groups of exactly 32 channels tiling BLOCK_D."""
+    return group == 32 and next_power_of_2(head_dim) >= 32
+
+
 if HAVE_TRITON:
 
     @triton.jit
@@ -70,40 +75,74 @@ if HAVE_TRITON:
         s_c0, s_c1, s_cd, s_cw, s_m0, s_m1, s_md,
         G, D, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BITS: tl.constexpr, NORMALIZED: tl.constexpr,
     ):  # fmt: skip
-        """One key chunk (G tokens, per-channel groups) -> (BLOCK_G, BLOCK_D) fp32."""
+        """One key chunk (G tokens, per-channel groups) -> (BLOCK_G, BLOCK_D) fp32.
+
+        Each channel's words are read once, coalesced, and expanded in registers
+        (BLOCK_G must be a multiple of 32 / BITS). Token rows past G hold finite filler.
+        """
         PER_WORD: tl.constexpr = 32 // BITS
-        j = tl.arange(0, BLOCK_G)[:, None]
-        d = tl.arange(0, BLOCK_D)[None, :]
-        dm = d < D
-        ok = (j < G) & dm
+        BLOCK_W: tl.constexpr = BLOCK_G // PER_WORD
+        d = tl.arange(0, BLOCK_D)
+        w = tl.arange(0, BLOCK_W)
+        n_words = (G + PER_WORD - 1) // PER_WORD
         base = slot.to(tl.int64) * s_c0 + head * s_c1
-        words = tl.load(codes_ptr + base + d * s_cd + (j // PER_WORD) * s_cw, mask=ok, other=0)
-        codes = (words >> ((j % PER_WORD) * BITS)) & ((1 << BITS) - 1)
+        words = tl.load(codes_ptr + base + d[:, None] * s_cd + w[None, :] * s_cw,
+                        mask=(d[:, None] < D) & (w[None, :] < n_words), other=0)  # fmt: skip
+        shifts = tl.arange(0, PER_WORD) * BITS
+        codes = (words[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)  # expanded in registers
+        codes = tl.trans(tl.reshape(codes, (BLOCK_D, BLOCK_G)))  # (BLOCK_G, BLOCK_D)
         mbase = slot.to(tl.int64) * s_m0 + head * s_m1
-        m0 = tl.load(m0_ptr + mbase + d * s_md, mask=dm, other=0.0).to(tl.float32)
-        m1 = tl.load(m1_ptr + mbase + d * s_md, mask=dm, other=0.0).to(tl.float32)
-        return dequantize_tile(codes, m0, m1, centres_ptr, BITS, NORMALIZED)
+        m0 = tl.load(m0_ptr + mbase + d * s_md, mask=d < D, other=0.0).to(tl.float32)
+        m1 = tl.load(m1_ptr + mbase + d * s_md, mask=d < D, other=0.0).to(tl.float32)
+        return dequantize_tile(codes, m0[None, :], m1[None, :], centres_ptr, BITS, NORMALIZED)
 
     @triton.jit
     def load_value_tile(
         codes_ptr, m0_ptr, m1_ptr, centres_ptr, slot, head,
         s_c0, s_c1, s_cg, s_cn, s_cw, s_m0, s_m1, s_mg, s_mn,
         G, D, GROUP, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BITS: tl.constexpr, NORMALIZED: tl.constexpr,
+        PACKED: tl.constexpr,
     ):  # fmt: skip
-        """One value chunk (per-token groups of GROUP channels) -> (BLOCK_G, BLOCK_D) fp32."""
+        """One value chunk (per-token groups of GROUP channels) -> (BLOCK_G, BLOCK_D) fp32.
+
+        PACKED (GROUP a power of two >= 32 with BLOCK_D = GROUP · 2^k): each token's words are
+        read once and expanded in registers; otherwise each element reads its word.
+        """
         PER_WORD: tl.constexpr = 32 // BITS
-        j = tl.arange(0, BLOCK_G)[:, None]
-        d = tl.arange(0, BLOCK_D)[None, :]
-        ok = (j < G) & (d < D)
-        gi = d // GROUP
-        idx = d % GROUP
-        base = slot.to(tl.int64) * s_c0 + head * s_c1
-        words = tl.load(codes_ptr + base + j * s_cg + gi * s_cn + (idx // PER_WORD) * s_cw, mask=ok, other=0)
-        codes = (words >> ((idx % PER_WORD) * BITS)) & ((1 << BITS) - 1)
         mbase = slot.to(tl.int64) * s_m0 + head * s_m1
-        m0 = tl.load(m0_ptr + mbase + j * s_mg + gi * s_mn, mask=ok, other=0.0).to(tl.float32)
-        m1 = tl.load(m1_ptr + mbase + j * s_mg + gi * s_mn, mask=ok, other=0.0).to(tl.float32)
-        return dequantize_tile(codes, m0, m1, centres_ptr, BITS, NORMALIZED)
+        base = slot.to(tl.int64) * s_c0 + head * s_c1
+        if PACKED:
+            BLOCK_W: tl.constexpr = 32 // PER_WORD  # words of one group of 32 channels
+            BLOCK_NG: tl.constexpr = BLOCK_D // 32
+            j = tl.arange(0, BLOCK_G)[:, None, None]
+            gi = tl.arange(0, BLOCK_NG)[None, :, None]
+            w = tl.arange(0, BLOCK_W)[None, None, :]
+            n_groups = (D + GROUP - 1) // GROUP
+            words = tl.load(codes_ptr + base + j * s_cg + gi * s_cn + w * s_cw,
+                            mask=(j < G) & (gi < n_groups), other=0)  # fmt: skip
+            shifts = tl.arange(0, PER_WORD) * BITS
+            codes = (words[:, :, :, None] >> shifts[None, None, None, :]) & ((1 << BITS) - 1)
+            codes = tl.reshape(codes, (BLOCK_G, BLOCK_D))  # channel = group · 32 + index
+            jm = tl.arange(0, BLOCK_G)[:, None]
+            gm = tl.arange(0, BLOCK_NG)[None, :]
+            m_ok = (jm < G) & (gm < n_groups)
+            m0 = tl.load(m0_ptr + mbase + jm * s_mg + gm * s_mn, mask=m_ok, other=0.0).to(tl.float32)
+            m1 = tl.load(m1_ptr + mbase + jm * s_mg + gm * s_mn, mask=m_ok, other=0.0).to(tl.float32)
+            m0 = tl.reshape(tl.broadcast_to(m0[:, :, None], (BLOCK_G, BLOCK_NG, 32)), (BLOCK_G, BLOCK_D))
+            m1 = tl.reshape(tl.broadcast_to(m1[:, :, None], (BLOCK_G, BLOCK_NG, 32)), (BLOCK_G, BLOCK_D))
+            return dequantize_tile(codes, m0, m1, centres_ptr, BITS, NORMALIZED)
+        else:
+            j = tl.arange(0, BLOCK_G)[:, None]
+            d = tl.arange(0, BLOCK_D)[None, :]
+            ok = (j < G) & (d < D)
+            gi = d // GROUP
+            idx = d % GROUP
+            words = tl.load(codes_ptr + base + j * s_cg + gi * s_cn + (idx // PER_WORD) * s_cw, mask=ok, other=0)
+            codes = (words >> ((idx % PER_WORD) * BITS)) & ((1 << BITS) - 1)
+            m0 = tl.load(m0_ptr + mbase + j * s_mg + gi * s_mn, mask=ok, other=0.0).to(tl.float32)
+            m1 = tl.load(m1_ptr + mbase + j * s_mg + gi * s_mn, mask=ok, other=0.0).to(tl.float32)
+            return dequantize_tile(codes, m0, m1, centres_ptr, BITS, NORMALIZED)
+
 
     @triton.jit
     def _dequantize_kernel(
@@ -117,7 +156,7 @@ if HAVE_TRITON:
         s_o0, s_o1, s_o2, s_o3,
         # compile-time
         PER_CHANNEL: tl.constexpr, BITS: tl.constexpr, NORMALIZED: tl.constexpr, OUT_BF16: tl.constexpr,
-        BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+        PACKED_V: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
     ):  # fmt: skip
         """Program per (chunk, head): unpack + dequantize one (G, D) chunk."""
         pid = tl.program_id(0)
@@ -132,6 +171,7 @@ if HAVE_TRITON:
             x = load_value_tile(
                 codes_ptr, m0_ptr, m1_ptr, centres_ptr, slot, head,
                 s_c0, s_c1, s_c2, s_c3, s_c4, s_m0, s_m1, s_m2, s_m3, G, D, GROUP, BLOCK_G, BLOCK_D, BITS, NORMALIZED,
+                PACKED_V,
             )  # fmt: skip
         j = tl.arange(0, BLOCK_G)[:, None]
         d = tl.arange(0, BLOCK_D)[None, :]
@@ -167,6 +207,7 @@ def dequantize_triton(
         h, chunk_size, head_dim, group,
         *c_strides, *m_strides, *out.stride(),
         PER_CHANNEL=per_channel, BITS=bits, NORMALIZED=normalized, OUT_BF16=dtype == torch.bfloat16,
-        BLOCK_G=next_power_of_2(chunk_size), BLOCK_D=next_power_of_2(head_dim),
+        PACKED_V=packed_value_tiles(group, head_dim),
+        BLOCK_G=max(32, next_power_of_2(chunk_size)), BLOCK_D=max(16, next_power_of_2(head_dim)),
     )  # fmt: skip
     return out

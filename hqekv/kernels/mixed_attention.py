@@ -30,7 +30,7 @@ from ..policy import INT1, INT2, INT4
 from ..packing import unpack_codes
 from ..quantization import normal_tables
 from ._triton import HAVE_TRITON, INTERPRET, next_power_of_2, require_triton
-from .dequantize import dequantize_reference
+from .dequantize import dequantize_reference, packed_value_tiles
 
 if HAVE_TRITON:
     from ._triton import tl, triton
@@ -296,7 +296,7 @@ if HAVE_TRITON:
         s_tb, s_tab, s_tb1, s_th, s_tg,
         # compile-time
         BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-        DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr,
+        DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr, PACKED_V: tl.constexpr,
     ):  # fmt: skip
         """Program per (row b, KV head h, split): rows r = (query head in group, new token) of q."""
         # 1. program -> (b, h, split); the GQ·S query rows of this KV head
@@ -345,13 +345,13 @@ if HAVE_TRITON:
                     v = tl.load(vf_ptr + vs.to(tl.int64) * s_f0 + h * s_f1 + fp_tile, mask=fp_mask, other=0.0).to(tl.float32)
                 elif vt == 1:
                     v = load_value_tile(v4c, v4a, v4b, centres_ptr, vs, h, s_vc0, s_vc1, s_vcg, s_vcn, s_vcw, s_vm0, s_vm1,
-                                        s_vmg, s_vmn, G, D, GROUP, BLOCK_G, BLOCK_D, 4, False)  # fmt: skip
+                                        s_vmg, s_vmn, G, D, GROUP, BLOCK_G, BLOCK_D, 4, False, PACKED_V)  # fmt: skip
                 elif vt == 2:
                     v = load_value_tile(v2c, v2a, v2b, centres_ptr, vs, h, s_v2c0, s_v2c1, s_v2cg, s_v2cn, s_v2cw, s_v2m0,
-                                        s_v2m1, s_v2mg, s_v2mn, G, D, GROUP, BLOCK_G, BLOCK_D, 2, False)  # fmt: skip
+                                        s_v2m1, s_v2mg, s_v2mn, G, D, GROUP, BLOCK_G, BLOCK_D, 2, False, PACKED_V)  # fmt: skip
                 else:
                     v = load_value_tile(v1c, v1a, v1b, centres_ptr, vs, h, s_v1c0, s_v1c1, s_v1cg, s_v1cn, s_v1cw, s_v1m0,
-                                        s_v1m1, s_v1mg, s_v1mn, G, D, GROUP, BLOCK_G, BLOCK_D, 1, True)  # fmt: skip
+                                        s_v1m1, s_v1mg, s_v1mn, G, D, GROUP, BLOCK_G, BLOCK_D, 1, True, PACKED_V)  # fmt: skip
                 # the model sees the dequantized values in its own dtype, as the reference does
                 k = k.to(tk_ptr.dtype.element_ty).to(tl.float32)
                 v = v.to(tk_ptr.dtype.element_ty).to(tl.float32)
@@ -438,8 +438,9 @@ def mixed_attention_triton(
         fp.stride(0), fp.stride(1), fp.stride(2),
         *quantized_strides,
         tables[0].stride(0), tail_k.stride(0), tail_len.stride(0), tail_k.stride(1), tail_k.stride(2),
-        BLOCK_R=block_r, BLOCK_G=max(16, next_power_of_2(g)), BLOCK_S=max(16, next_power_of_2(s)),
+        BLOCK_R=block_r, BLOCK_G=max(32, next_power_of_2(g)), BLOCK_S=max(16, next_power_of_2(s)),
         BLOCK_D=max(16, next_power_of_2(d)), DOT_DTYPE=dot_dtype, IEEE=dot_dtype == tl.float32,
+        PACKED_V=packed_value_tiles(value_group, d),
     )  # fmt: skip
     # merge the splits by log-sum-exp
     m_max = part_m.amax(2, keepdim=True)
