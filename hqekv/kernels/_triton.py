@@ -1,7 +1,7 @@
 """Triton availability and the small device helpers shared by the kernels.
 
-Triton is imported lazily-safe: without it (macOS, CPU-only wheels) the CPU reference
-path still works and only the CUDA kernels are unavailable. ``TRITON_INTERPRET=1`` (set
+Triton is optional: without it (macOS, Windows) every op runs its PyTorch reference, on
+any device, and only the Triton kernels are unavailable. ``TRITON_INTERPRET=1`` (set
 before this module is imported) runs the same kernels on CPU tensors, which is how the
 tests compare them with the references.
 """
