@@ -1,11 +1,14 @@
 """The ``hqekv::`` custom ops: schemas, fake (meta) implementations and device dispatch.
 
 Each op runs its pure-PyTorch reference on CPU (and any device without a kernel) and
-its Triton kernel on CUDA. The ops are opaque to ``torch.compile``: the fakes give the
-output shapes, so a compiled graph holds them without a graph break on any device.
+its Triton kernel on CUDA. ``HQEKV_TRITON=0`` in the environment (read at import) makes
+CUDA tensors use the references too. The ops are opaque to ``torch.compile``: the fakes
+give the output shapes, so a compiled graph holds them without a graph break on any device.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 from torch import Tensor
@@ -87,7 +90,10 @@ def _(query, key, value, new_valid, k_pools, v_pools, k_tier, k_slot, v_tier, v_
     return query.new_empty(b, s, hq, d)
 
 
-if HAVE_TRITON:
+USE_TRITON = HAVE_TRITON and os.environ.get("HQEKV_TRITON", "1") != "0"
+"""CUDA tensors run the Triton kernels (triton installed, and not ``HQEKV_TRITON=0``)."""
+
+if USE_TRITON:
 
     @quantize_pack.register_kernel("cuda")
     def _(x, bits, normalized, per_channel, group, meta_dtype):

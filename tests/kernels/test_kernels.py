@@ -8,6 +8,10 @@ the last place of fp16 / bf16, where the kernel multiplies in that dtype).
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -202,3 +206,10 @@ def test_bad_arguments_get_clear_errors():
     args = random_mixed_cache(b=1, hq=3, hkv=2, s=1, d=16, n_chunks=1, value_group=16)
     with pytest.raises(RuntimeError, match="not a multiple"):
         kernels.mixed_attention(*args.values())
+
+
+def test_hqekv_triton_0_keeps_cuda_on_the_references():
+    code = "import hqekv.kernels.ops as ops; print(ops.USE_TRITON)"
+    env = {**os.environ, "HQEKV_TRITON": "0"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
