@@ -79,7 +79,9 @@ def encode_chunks(chunks: torch.Tensor, tier: int, component: str, value_group: 
     """Quantize and pack chunks: (N, H, G, D) -> QuantizedPool at ``tier`` (``hqekv::quantize_pack``)."""
     fmt = TIER_FORMATS[tier]
     return QuantizedPool(
-        *kernels.quantize_pack(chunks, fmt.bits, fmt.method == NORMALIZED, component == KEY, value_group, meta_dtype)
+        *kernels.call(
+            kernels.quantize_pack, chunks, fmt.bits, fmt.method == NORMALIZED, component == KEY, value_group, meta_dtype
+        )
     )
 
 
@@ -89,7 +91,9 @@ def decode_chunks(
     """Unpack and dequantize: QuantizedPool at ``tier`` -> (N, H, G, D) ``dtype`` (``hqekv::dequantize``)."""
     fmt = TIER_FORMATS[tier]
     normalized, per_channel = fmt.method == NORMALIZED, component == KEY
-    return kernels.dequantize(*pool.tensors(), fmt.bits, normalized, per_channel, value_group, chunk_size, head_dim, dtype)
+    return kernels.call(
+        kernels.dequantize, *pool.tensors(), fmt.bits, normalized, per_channel, value_group, chunk_size, head_dim, dtype
+    )
 
 
 def _stable_order(valid: torch.Tensor, valid_first: bool) -> torch.Tensor:
@@ -271,8 +275,8 @@ class HqeKVLayer(CacheLayerMixin):
 
     def _mixed_attention(self, query, key, value, new_valid) -> torch.Tensor:
         """``hqekv::mixed_attention`` over the chunk pools, the tail and the new tokens."""
-        return kernels.mixed_attention(
-            query, key, value, new_valid, self._pool_list(KEY), self._pool_list(VALUE),
+        return kernels.call(
+            kernels.mixed_attention, query, key, value, new_valid, self._pool_list(KEY), self._pool_list(VALUE),
             self.k_tier, self.k_slot, self.v_tier, self.v_slot, self.tail_k, self.tail_v, self.tail_len,
             self.scaling, self.value_group,
         )  # fmt: skip

@@ -4,10 +4,11 @@
 - :func:`dequantize`: the inverse
 - :func:`mixed_attention`: attention of new queries over the whole mixed-tier cache
 
-Each ``kernels/<name>.py`` holds ``<name>_reference`` (pure PyTorch: the CPU implementation
+``call(op, *args)`` runs an op as a graph node under ``torch.compile`` and straight to its
+implementation in eager mode. Each ``kernels/<name>.py`` holds ``<name>_reference`` (pure PyTorch: the CPU implementation
 and the test reference) beside the Triton kernel ``<name>_triton`` that CUDA tensors use.
 """
 
-from .ops import dequantize, mixed_attention, quantize_pack
+from .ops import call, dequantize, mixed_attention, quantize_pack
 
-__all__ = ["dequantize", "mixed_attention", "quantize_pack"]
+__all__ = ["call", "dequantize", "mixed_attention", "quantize_pack"]

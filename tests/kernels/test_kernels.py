@@ -213,3 +213,10 @@ def test_hqekv_triton_0_keeps_cuda_on_the_references():
     env = {**os.environ, "HQEKV_TRITON": "0"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_call_runs_the_same_implementation_as_the_op():
+    op, args = op_args()["mixed_attention"]
+    assert torch.equal(kernels.call(op, *args), op(*args))
+    op, args = op_args()["quantize_pack"]
+    assert all(torch.equal(a, b) for a, b in zip(kernels.call(op, *args), op(*args)))
