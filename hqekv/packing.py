@@ -27,14 +27,16 @@ def packed_words(n: int, bits: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _byte_table_cpu(bits: int) -> torch.Tensor:
+def _byte_table(bits: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """(256, 8 // bits) ``dtype``: the codes held by each byte value, LSB first (built once per device)."""
     per_byte = 8 // bits
-    return (torch.arange(256)[:, None] >> (torch.arange(per_byte) * bits)) & ((1 << bits) - 1)
+    table = (torch.arange(256)[:, None] >> (torch.arange(per_byte) * bits)) & ((1 << bits) - 1)
+    return table.to(device=device, dtype=dtype)
 
 
-def _byte_table(bits: int, device) -> torch.Tensor:
-    """(256, 8 // bits) int64: the codes held by each byte value, LSB first."""
-    return _byte_table_cpu(bits).to(device)
+@functools.lru_cache(maxsize=None)
+def _shifts(bits: int, device: torch.device) -> torch.Tensor:
+    return torch.arange(32 // bits, dtype=torch.int32, device=device) * bits
 
 
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -69,7 +71,7 @@ def unpack_codes(words: torch.Tensor, bits: int, n: int, dtype: torch.dtype = to
     if dtype.is_floating_point and bits in (1, 4) and n == words.shape[-1] * per_word and sys.byteorder == "little":
         # One table lookup per byte gives the codes as floats directly (measured faster than
         # shift, mask and convert for 1 and 4 bits on CPU; words are little-endian bytes).
-        table = _byte_table(bits, words.device).to(dtype)
+        table = _byte_table(bits, words.device, dtype)
         by = words.contiguous().reshape(-1).view(torch.uint8).int()  # (a size-1 axis may have stride 0)
         return torch.nn.functional.embedding(by, table).reshape(*words.shape[:-1], n)
     if words.shape[-1] != packed_words(n, bits):
@@ -78,7 +80,6 @@ def unpack_codes(words: torch.Tensor, bits: int, n: int, dtype: torch.dtype = to
             f"(expected {packed_words(n, bits)} words)"
         )
     # Arithmetic shifts of int32 words sign-extend; the mask keeps the code bits only.
-    shifts = torch.arange(per_word, device=words.device, dtype=torch.int32) * bits
-    codes = (words.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
+    codes = (words.unsqueeze(-1) >> _shifts(bits, words.device)) & ((1 << bits) - 1)
     codes = codes.reshape(*words.shape[:-1], words.shape[-1] * per_word)[..., :n]
     return codes.to(dtype)
