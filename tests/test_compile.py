@@ -1,5 +1,5 @@
 """torch.compile of a patched model: same tokens as eager, no graph break in the decode
-attention, and no recompilation per decode step (issue: kernels + compile)."""
+attention, and no recompilation per decode step."""
 
 from __future__ import annotations
 
