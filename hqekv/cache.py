@@ -32,7 +32,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from . import importance, kernels, policy
 from .config import HqeKVConfig
-from .kernels.mixed_attention import gather_chunks
+from .kernels.mixed_attention import cached_tokens, gather_chunks
 from .policy import EVICTED, FP16, INT1, INT2, INT4, TIER_CODE_BITS, TIER_NAMES
 from .quantization import (
     NORMALIZED,
@@ -384,8 +384,7 @@ class HqeKVLayer(CacheLayerMixin):
         positions = torch.cat(
             [(self.chunk_pos[:, :, None] * g + ar).reshape(b, c * g), self.n_chunks[:, None] * g + ar], dim=1
         )
-        valid = torch.cat([(self.chunk_pos >= 0).repeat_interleave(g, dim=1), ar[None, :] < self.tail_len[:, None]], dim=1)
-        return out[0], out[1], positions, valid
+        return out[0], out[1], positions, cached_tokens(self.chunk_pos >= 0, self.tail_len, g)
 
     def _append(self, query, key, value, new_valid) -> None:
         """Window, tail, flush of full chunks into FP16 slots, and re-ranking when due."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..packing import unpack_codes
-from ..quantization import NORMALIZED, UNIFORM, dequantize, key_chunks, normal_tables
+from ..quantization import NORMALIZED, UNIFORM, dequantize, key_chunks, normal_tables, value_chunks
 from ._triton import HAVE_TRITON, next_power_of_2, require_triton
 from .quantize_pack import packed_shapes
 
@@ -51,7 +51,7 @@ def dequantize_reference(
     x = dequantize(codes, meta0, meta1, bits, method, dtype)
     if per_channel:
         return key_chunks(x)
-    return x.flatten(-2)[..., :head_dim]
+    return value_chunks(x)[..., :head_dim]  # a short last group's padding codes dropped
 
 
 def packed_value_tiles(group: int, head_dim: int) -> bool:

@@ -64,6 +64,15 @@ def check_args(query, key, value, new_valid, k_pools, v_pools, k_tier, k_slot, v
     torch._check(tuple(tail_len.shape) == (b,), lambda: "tail_len must be (B,)")
 
 
+def cached_tokens(kept: torch.Tensor, tail_len: torch.Tensor, g: int) -> torch.Tensor:
+    """Which cached tokens exist, in :func:`gather_chunks` order (chunks, then the tail).
+
+    kept (B, C) bool table entries that hold a chunk, tail_len (B,) -> (B, C·G + G) bool.
+    """
+    ar = torch.arange(g, device=kept.device)
+    return torch.cat([kept.repeat_interleave(g, dim=1), ar[None, :] < tail_len[:, None]], dim=1)
+
+
 def gather_chunks(
     pools: list[torch.Tensor],
     tier: torch.Tensor,
@@ -102,7 +111,7 @@ def gather_chunks(
     return every.transpose(0, 1)[:, index].transpose(0, 1).reshape(b, h, index.shape[1] * g, d)
 
 
-def _linear_codes(pools: list[torch.Tensor], tier: int, per_channel: bool, group: int, g: int, d: int):
+def _linear_codes(pools: list[torch.Tensor], tier: int, per_channel: bool, group: int, g: int):
     """A quantized pool as float codes and the affine map x = codes·a + b that dequantizes them.
 
     keys:   codes (N, H, D, G) (a key chunk transposed), a, b (N, H, D, 1)
@@ -169,8 +178,7 @@ def _dense_attention(
     g = tail_k.shape[2]
     k_all = torch.cat([gather_chunks(k_pools, k_tier, k_slot, True, value_group, query.dtype, tail_k), key], 2)
     v_all = torch.cat([gather_chunks(v_pools, v_tier, v_slot, False, value_group, query.dtype, tail_v), value], 2)
-    ar = torch.arange(g, device=query.device)
-    cached = torch.cat([(k_tier >= 0).repeat_interleave(g, 1), ar[None, :] < tail_len[:, None]], 1)
+    cached = cached_tokens(k_tier >= 0, tail_len, g)
     causal = torch.ones(s, s, dtype=torch.bool, device=query.device).tril()[None] & new_valid[:, None, :]
     mask = torch.cat([cached[:, None].expand(b, s, -1), causal], -1)  # (B, S, N + S)
     out = torch.nn.functional.scaled_dot_product_attention(
@@ -206,7 +214,7 @@ def _pool_attention(
     logits = [q5 @ k_pools[0].float().transpose(-1, -2)[None]]
     for t, n in zip(QUANTIZED_TIERS, k_sizes[1:]):
         if n:
-            codes, a, c = _linear_codes(k_pools, t, True, value_group, g, d)
+            codes, a, c = _linear_codes(k_pools, t, True, value_group, g)
             logits.append((q5 * a.transpose(-1, -2)[None]) @ codes[None] + q5 @ c[None])
     slot_logits = torch.cat(logits, dim=1).permute(0, 2, 3, 1, 4)  # (B, H, R, Nk, G)
     nk = slot_logits.shape[3]
@@ -244,7 +252,7 @@ def _pool_attention(
     for p_t, t in zip(parts[1:], QUANTIZED_TIERS):
         if p_t.shape[1] == 0:
             continue
-        codes, a, c = _linear_codes(v_pools, t, False, value_group, g, d)  # (N, H, G, ng, group), (N, H, G, ng, 1)
+        codes, a, c = _linear_codes(v_pools, t, False, value_group, g)  # (N, H, G, ng, group), (N, H, G, ng, 1)
         v_t = torch.addcmul(c, codes, a).reshape(*codes.shape[:3], ng * value_group)[..., :d]  # (N, H, G, D)
         out = out + (p_t @ v_t[None]).sum(1)
     return out.reshape(b, hkv, gq, s, d).permute(0, 3, 1, 2, 4).reshape(b, s, hq, d).to(query.dtype)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..packing import pack_codes, packed_words
-from ..quantization import EPS, NORMALIZED, UNIFORM, key_groups, normal_tables, quantize
+from ..quantization import EPS, NORMALIZED, UNIFORM, key_groups, normal_tables, quantize, value_groups
 from ._triton import EXACT_DIV, HAVE_TRITON, next_power_of_2, require_triton
 
 if HAVE_TRITON:
@@ -50,11 +50,11 @@ def quantize_pack_reference(
     if per_channel:
         codes, m0, m1 = quantize(key_groups(x), bits, method, meta_dtype)
         return pack_codes(codes, bits), m0, m1
-    *lead, d = x.shape
+    d = x.shape[-1]
     full = d // group * group
     parts = []
     if full:
-        parts.append(quantize(x[..., :full].reshape(*lead, d // group, group), bits, method, meta_dtype))
+        parts.append(quantize(value_groups(x[..., :full], group), bits, method, meta_dtype))
     if full < d:  # the last, shorter group; its codes are padded with zeros
         codes, m0, m1 = quantize(x[..., full:].unsqueeze(-2), bits, method, meta_dtype)
         parts.append((torch.nn.functional.pad(codes, (0, group - (d - full))), m0, m1))
