@@ -268,11 +268,12 @@ def write_report(result) -> Path:
         import matplotlib  # noqa: F401
     except ImportError:
         return path
-    plot_history(result.history, sibling(result.path, ".history.png"), title=result.path.name)
+    plot_history(result.history, sibling(result.path, ".history.png"), title=result.path.name,
+                 kl_scale=result.metadata.get("kl_scale", "linear"))  # fmt: skip
     return path
 
 
-def plot_history(history: list[dict], path: Path, title: str = "") -> Path:
+def plot_history(history: list[dict], path: Path, title: str = "", kl_scale: str = "log") -> Path:
     """Objective per completed trial and the best so far (the Optuna history) as a PNG."""
     import matplotlib
 
@@ -287,11 +288,12 @@ def plot_history(history: list[dict], path: Path, title: str = "") -> Path:
     for v in y:
         running = min(running, v)
         best.append(running)
-    ax.scatter(x, y, s=8, alpha=0.6, label="trial objective (KL + α·δ3 + β·δ4)")
+    ax.scatter(x, y, s=8, alpha=0.6, label=f"trial objective ({'ln KL' if kl_scale == 'log' else 'KL'} + α·δ3 + β·δ4)")
     ax.plot(x, best, color="C3", label="best so far")
     ax.set_xlabel("trial")
     ax.set_ylabel("objective")
-    ax.set_yscale("log")
+    if kl_scale != "log":  # a log-KL objective may be negative
+        ax.set_yscale("log")
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()

@@ -149,22 +149,23 @@ class HqeKVLayer(CacheLayerMixin):
         g = cfg.chunk_size
         self.device, self.dtype = key_states.device, key_states.dtype
         self.meta_dtype = cfg.resolve_metadata_dtype(self.dtype)
+        self.fp_dtype = cfg.resolve_fp_dtype(self.dtype)  # FP16 chunks, tail, window queries
         self.value_group = min(cfg.value_group, d)
         if d % self.value_group:
             raise ValueError(f"head dim {d} is not a multiple of the value channel group {self.value_group}")
         self.batch_size, self.num_kv_heads, self.head_dim = b, h, d
         empty = key_states.new_zeros(0, h, g, d)
-        self.k_fp, self.v_fp = empty, empty.clone()
+        self.k_fp, self.v_fp = empty.to(self.fp_dtype), empty.to(self.fp_dtype)
         self.k_q = {t: encode_chunks(empty, t, KEY, self.value_group, self.meta_dtype) for t in QUANTIZED_TIERS}
         self.v_q = {t: encode_chunks(empty, t, VALUE, self.value_group, self.meta_dtype) for t in QUANTIZED_TIERS}
         long = dict(dtype=torch.long, device=self.device)
         self.chunk_pos = torch.full((b, 0), -1, **long)
         self.k_tier, self.k_slot = self.chunk_pos.clone(), self.chunk_pos.clone()
         self.v_tier, self.v_slot = self.chunk_pos.clone(), self.chunk_pos.clone()
-        self.tail_k = key_states.new_zeros(b, h, g, d)
-        self.tail_v = value_states.new_zeros(b, h, g, d)
+        self.tail_k = key_states.new_zeros(b, h, g, d, dtype=self.fp_dtype)
+        self.tail_v = value_states.new_zeros(b, h, g, d, dtype=self.fp_dtype)
         self.tail_len = torch.zeros(b, **long)
-        self.win_q = key_states.new_zeros(b, hq, cfg.window, d)
+        self.win_q = key_states.new_zeros(b, hq, cfg.window, d, dtype=self.fp_dtype)
         self.win_pos = torch.zeros(b, cfg.window, **long)
         self.win_valid = torch.zeros(b, cfg.window, dtype=torch.bool, device=self.device)
         self.real_len = torch.zeros(b, **long)
@@ -407,8 +408,8 @@ class HqeKVLayer(CacheLayerMixin):
         ar = torch.arange(g, device=self.device)
         pvalid = torch.cat([ar[None, :] < self.tail_len[:, None], new_valid], dim=1)
         order = _stable_order(pvalid, valid_first=True)
-        pk = _gather_seq(torch.cat([self.tail_k, key], dim=2), order)
-        pv = _gather_seq(torch.cat([self.tail_v, value], dim=2), order)
+        pk = _gather_seq(torch.cat([self.tail_k, key.to(self.fp_dtype)], dim=2), order)
+        pv = _gather_seq(torch.cat([self.tail_v, value.to(self.fp_dtype)], dim=2), order)
         n_pending = self.tail_len + n_new
         n_full = n_pending // g
         flushed = int(n_full.max())
@@ -433,8 +434,8 @@ class HqeKVLayer(CacheLayerMixin):
         """Append new chunks (B, F, H, G, D) where ``ok`` (B, F) to the FP16 pools and chunk tables."""
         rows, cols = ok.nonzero(as_tuple=True)
         first = self.k_fp.shape[0]
-        self.k_fp = torch.cat([self.k_fp, fk[rows, cols]])
-        self.v_fp = torch.cat([self.v_fp, fv[rows, cols]])
+        self.k_fp = torch.cat([self.k_fp, fk[rows, cols].to(self.fp_dtype)])
+        self.v_fp = torch.cat([self.v_fp, fv[rows, cols].to(self.fp_dtype)])
         n_phys = (self.chunk_pos >= 0).sum(1)
         b, c_old = self.chunk_pos.shape
         c_new = int((n_phys + ok.sum(1)).max())
@@ -469,6 +470,8 @@ class HqeKVLayer(CacheLayerMixin):
         c = self.chunk_pos.shape[1]
         score_k = importance.chunk_scores(metric_k[:, : c * g], g)
         score_v = importance.chunk_scores(metric_v[:, : c * g], g)
+        if self.config.importance == "random":
+            score_k, score_v = importance.random_scores(score_k.shape, self.layer_idx or 0, int(self.n_chunks.sum()), self.device)
         return keys, values, score_k, score_v
 
     def with_tiers(
@@ -507,7 +510,7 @@ class HqeKVLayer(CacheLayerMixin):
                 at = (tier == t).nonzero().flatten()
                 slot[at] = torch.arange(at.numel(), device=self.device)
                 chunks = index[at]
-                pools[t] = encoded[t][chunks] if t == FP16 else encoded[t].select(chunks)
+                pools[t] = encoded[t][chunks].to(self.fp_dtype) if t == FP16 else encoded[t].select(chunks)
             layer._set_pools(component, pools[FP16], {t: pools[t] for t in QUANTIZED_TIERS})
             if component == KEY:
                 layer.k_tier, layer.k_slot = tier[None], slot[None]

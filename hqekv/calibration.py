@@ -25,10 +25,17 @@ from .config import FP16_RATIOS, HqeKVConfig, TierRatios, check_bavg
 
 ALPHA = 2.0
 BETA = 4.0
+KL_SCALES = ("log", "linear")
+"""Data term of the search: ln(mean KL) (default: the regulariser is a tie-breaker, see
+:func:`data_term`) or the mean KL itself (the paper's scale)."""
+KL_FLOOR = 1e-9
+"""ln(KL) is taken of max(KL, KL_FLOOR): all-FP16 ratios score exactly 0 KL."""
 DEFAULT_TRIALS = 200
 CONTEXT_TOKENS = 16384
 CONTINUATION_TOKENS = 128
-CACHE_SETTINGS = ("chunk_size", "window", "rerank_interval", "protected_chunks", "eviction", "value_group", "metadata_dtype")
+CACHE_SETTINGS = (
+    "chunk_size", "window", "rerank_interval", "protected_chunks", "eviction", "value_group", "metadata_dtype", "fp_dtype",
+)  # fmt: skip
 """HqeKVConfig fields a calibration is made for (everything but the ratios)."""
 
 
@@ -59,6 +66,26 @@ def search_box(bavg: float) -> tuple[float, float]:
 def mean_kl(log_p: torch.Tensor, log_q: torch.Tensor) -> float:
     """Mean over positions of KL(p ‖ q); log_p, log_q (L, V) float32 log-probabilities."""
     return float((log_p.exp() * (log_p - log_q)).sum(-1).mean())
+
+
+def data_term(kl: float, kl_scale: str = "log") -> float:
+    """The data term of the search objective for a mean KL (SPEC §1.5 fix: scale).
+
+    ``"log"``: ln(max(KL, KL_FLOOR)). The mean KL of a short continuation is a few
+    hundredths, and it spans orders of magnitude across bavg, models and texts, so no fixed
+    α, β can weigh it linearly: α·δ3 + β·δ4 of 0.1 outweighs a tenfold KL gain at one bavg
+    and is noise at another. On the log scale a difference is a *ratio* of KLs, the same
+    everywhere: β·δ4 says that evicting a share δ4 must divide the KL by e^(β·δ4)
+    (10% of the chunks: by 1.5 with β = 4). That keeps the regulariser a tie-breaker
+    between ratios of similar KL and a guard against degenerate all-evict / all-1-bit
+    solutions, which must beat the alternative by e^2 to e^4. ``"linear"``: the KL itself,
+    the paper's weighting of the regulariser.
+    """
+    if kl_scale == "log":
+        return math.log(max(kl, KL_FLOOR))
+    if kl_scale == "linear":
+        return kl
+    raise ValueError(f"kl_scale must be one of {KL_SCALES}, got {kl_scale!r}")
 
 
 def _settings_config(ratios: TierRatios, settings: dict) -> HqeKVConfig:
@@ -193,10 +220,10 @@ class CompressionObjective:
             raise FloatingPointError("the compressed model produced non-finite logits on the calibration text")
         return kl
 
-    def loss(self, ratios, alpha: float = ALPHA, beta: float = BETA) -> float:
-        """Objective: KL + α·δ3 + β·δ4 (SPEC §1.5)."""
+    def loss(self, ratios, alpha: float = ALPHA, beta: float = BETA, kl_scale: str = "log") -> float:
+        """Objective: data term of the KL (:func:`data_term`) + α·δ3 + β·δ4 (SPEC §1.5)."""
         ratios = TierRatios.coerce(ratios)
-        return self.kl(ratios) + alpha * ratios.int1 + beta * ratios.evict
+        return data_term(self.kl(ratios), kl_scale) + alpha * ratios.int1 + beta * ratios.evict
 
 
 def reference_style_kl(model, context: torch.Tensor, continuation: torch.Tensor, ratios, **settings) -> float:
@@ -246,9 +273,11 @@ class CalibrationResult:
         }
 
 
-def study_name(fingerprint: str, bavg: float, settings: dict, seed: int) -> str:
+def study_name(fingerprint: str, bavg: float, settings: dict, seed: int, kl_scale: str = "log") -> str:
     """Deterministic, so that re-running the same calibration continues the same study."""
     parts = [f"{k}={settings[k]}" for k in CACHE_SETTINGS if k in settings and settings[k] is not None]
+    if kl_scale != "log":
+        parts.append(f"kl_scale={kl_scale}")
     return f"hqekv-{fingerprint[:16]}-bavg{bavg:g}-seed{seed}" + ("-" + ",".join(parts) if parts else "")
 
 
@@ -262,6 +291,7 @@ def run_study(
     seed: int = 0,
     alpha: float = ALPHA,
     beta: float = BETA,
+    kl_scale: str = "log",
     progress: bool = True,
     worker: int = 0,
 ) -> CalibrationResult:
@@ -277,6 +307,7 @@ def run_study(
 
     bavg = check_bavg(bavg)
     hi3, hi4 = search_box(bavg)
+    data_term(1.0, kl_scale)  # validates the name before any work
     if not isinstance(trials, int) or trials < 1:
         raise ValueError(f"trials must be a positive integer, got {trials!r}")
     optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -287,12 +318,11 @@ def run_study(
         direction="minimize",
         sampler=optuna.samplers.TPESampler(seed=seed + worker),
     )
-    stored = study.user_attrs.get("bavg")
-    if stored is not None and abs(stored - bavg) > 1e-9:
-        raise ValueError(f"study {name!r} in {storage} was run for bavg={stored:g}, not {bavg:g}")
-    study.set_user_attr("bavg", bavg)
-    study.set_user_attr("alpha", alpha)
-    study.set_user_attr("beta", beta)
+    for key, value in (("bavg", bavg), ("alpha", alpha), ("beta", beta), ("kl_scale", kl_scale)):
+        stored = study.user_attrs.get(key)
+        if stored is not None and stored != value:
+            raise ValueError(f"study {name!r} in {storage} was run with {key}={stored!r}, not {value!r}")
+        study.set_user_attr(key, value)
 
     def completed() -> int:
         return len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
@@ -307,7 +337,7 @@ def run_study(
         kl = objective.kl(ratios)
         trial.set_user_attr("kl", kl)
         trial.set_user_attr("seconds", time.perf_counter() - start)
-        return kl + alpha * x3 + beta * x4
+        return data_term(kl, kl_scale) + alpha * x3 + beta * x4
 
     done = completed()
     bar = tqdm(total=trials, initial=min(done, trials), desc=f"calibrate bavg={bavg:g}", disable=not progress)
@@ -376,6 +406,7 @@ def calibrate(
     continuation_tokens: int = CONTINUATION_TOKENS,
     alpha: float = ALPHA,
     beta: float = BETA,
+    kl_scale: str = "log",
     model_id: str | None = None,
     progress: bool = True,
     barrier=None,
@@ -402,6 +433,9 @@ def calibrate(
         Calibration context (prefilled once) and the held continuation that is scored.
     alpha, beta : float
         Penalties on δ3 and δ4 in the objective.
+    kl_scale : {"log", "linear"}, default "log"
+        Data term: ln of the mean KL, on which α, β are tie-breakers (:func:`data_term`), or
+        the mean KL itself (the paper's scale, under which the regulariser decides alone).
     model_id : str, optional
         Recorded in the artifact; defaults to the model's ``name_or_path``.
     barrier : callable, optional
@@ -419,6 +453,7 @@ def calibrate(
 
     if barrier is not None and storage is None:
         raise ValueError("workers that share a study need a shared storage URL")
+    data_term(1.0, kl_scale)
     single = not isinstance(bavg, (list, tuple))
     values = [check_bavg(b) for b in ([bavg] if single else bavg)]
     for b in values:
@@ -429,11 +464,11 @@ def calibrate(
     config = objective.config
     results = []
     for b in values:
-        name = study_name(fingerprint, b, objective.settings, seed)
+        name = study_name(fingerprint, b, objective.settings, seed, kl_scale)
         start = time.perf_counter()
         result = run_study(
-            objective, b, trials=trials, storage=storage, name=name, seed=seed, alpha=alpha, beta=beta, progress=progress,
-            worker=worker,
+            objective, b, trials=trials, storage=storage, name=name, seed=seed, alpha=alpha, beta=beta,
+            kl_scale=kl_scale, progress=progress, worker=worker,
         )
         if barrier is not None:
             barrier()
@@ -451,6 +486,7 @@ def calibrate(
             "value_group": config.value_group,
             "alpha": alpha,
             "beta": beta,
+            "kl_scale": kl_scale,
             "trials": result.trials,
             "best_loss": result.best_loss,
             "best_kl": result.best_kl,

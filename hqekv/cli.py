@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from .calibration import ALPHA, BETA, CONTEXT_TOKENS, CONTINUATION_TOKENS, DEFAULT_TRIALS
+from .calibration import ALPHA, BETA, CONTEXT_TOKENS, CONTINUATION_TOKENS, DEFAULT_TRIALS, KL_SCALES
 from .eval.runner import DEFAULT_METHODS, DEFAULT_TASKS
 
 
@@ -27,7 +27,7 @@ def _add_settings_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--rerank-interval", type=int, default=32)
     g.add_argument("--protected-chunks", type=int, default=2)
     g.add_argument("--eviction", choices=("joint", "key", "value"), default="joint")
-    g.add_argument("--value-group", type=int, default=32)
+    g.add_argument("--value-group", type=int, default=64)
 
 
 def settings_from_args(args) -> dict:
@@ -53,6 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--continuation-tokens", type=int, default=CONTINUATION_TOKENS)
     p.add_argument("--alpha", type=float, default=ALPHA, help="penalty on the 1-bit share δ3")
     p.add_argument("--beta", type=float, default=BETA, help="penalty on the evicted share δ4")
+    p.add_argument(
+        "--kl-scale", choices=KL_SCALES, default="log",
+        help="data term: ln(KL) (default; α, β are tie-breakers) or the KL itself (the paper's scale)",
+    )  # fmt: skip
     p.add_argument("--threads", type=int, help="torch CPU threads")
     p.add_argument("--no-progress", action="store_true")
     _add_settings_args(p)
@@ -102,6 +106,7 @@ def run_calibration(args, model, tokenizer, model_id: str, *, write: bool = True
         continuation_tokens=args.continuation_tokens,
         alpha=args.alpha,
         beta=args.beta,
+        kl_scale=args.kl_scale,
         model_id=args.model_id or model_id,
         progress=progress and not args.no_progress,
         **workers,

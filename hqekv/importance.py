@@ -56,3 +56,14 @@ def chunk_scores(token_scores: torch.Tensor, chunk_size: int) -> torch.Tensor:
     if n % chunk_size:
         raise ValueError(f"{n} tokens do not split into chunks of {chunk_size}")
     return token_scores.reshape(b, n // chunk_size, chunk_size).mean(-1)
+
+
+def random_scores(shape: torch.Size, layer: int, step: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The control of the importance metric: independent uniform scores for K and V, (B, C) float32 each.
+
+    Seeded by the layer and a step counter (chunks seen so far), so a run is reproducible and
+    every layer and re-rank draws its own order.
+    """
+    generator = torch.Generator().manual_seed(1_000_003 * layer + step)
+    scores = torch.rand((2, *shape), generator=generator)
+    return scores[0].to(device), scores[1].to(device)

@@ -140,8 +140,10 @@ def patch_model(
     rerank_interval: int = 32,
     protected_chunks: int = 2,
     eviction: str = "joint",
-    value_group: int = 32,
+    value_group: int = 64,
     metadata_dtype: str | None = None,
+    fp_dtype: str | None = None,
+    importance: str = "attention",
 ):
     """Make ``model`` keep its KV cache with HqeKV, in place; returns ``model``.
 
@@ -159,7 +161,7 @@ def patch_model(
 
     Without ``ratios`` and ``artifact``, the artifact shipped in the package for this model
     and bavg is used; if there is none, the uncalibrated fallback, with a warning.
-    chunk_size, window, rerank_interval, protected_chunks, eviction, value_group, metadata_dtype
+    chunk_size, window, rerank_interval, protected_chunks, eviction, value_group, metadata_dtype, fp_dtype, importance
         See :class:`hqekv.HqeKVConfig`.
 
     After patching, ``generate``, ``model(...)`` and pipelines use a new :class:`HqeKVCache`
@@ -182,10 +184,15 @@ def patch_model(
         eviction=eviction,
         value_group=value_group,
         metadata_dtype=metadata_dtype,
+        fp_dtype=fp_dtype,
+        importance=importance,
     )
     head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
     if head_dim % min(config.value_group, head_dim):
-        raise ValueError(f"head dim {head_dim} is not a multiple of value_group {config.value_group}")
+        raise ValueError(
+            f"head dim {head_dim} is not a multiple of value_group {config.value_group}; pass a value_group that "
+            "divides it (e.g. value_group=32)"
+        )
 
     record = _PatchRecord(config)
     decoder = _decoder(model)

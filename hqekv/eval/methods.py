@@ -4,13 +4,18 @@
 - ``kivi:B``: every chunk uniform B-bit (B in 2, 4; 1 is the normalized 1-bit tier), keys
   per channel and values per token as in KIVI, the newest ``len % 32`` tokens kept as an
   FP16 residual; no FP16 chunks on top.
-- ``evict:B``: eviction only. Chunks are kept in full precision (the model dtype) or
-  evicted, ranked by the window queries' attention (SnapKV/H2O-style,
-  ``eviction="key"``); the kept share is ``(B + 1) / bits of the model dtype``: ``kivi:B``
-  stores B code bits plus one bit of fp16 scale and zero per 32-element group, so the two
-  cost the same memory (16-bit models keep (B + 1)/16, fp32 ones (B + 1)/32).
+- ``evict:B``: eviction only. Chunks are kept in full precision (16 bits) or evicted,
+  ranked by the window queries' attention (SnapKV/H2O-style, ``eviction="key"``); the kept
+  share is ``(B + METADATA_BITS) / 16``, what ``kivi:B`` costs with its 16-bit scale and
+  zero per group.
 - ``hqekv:B``: ``patch_model(model, B)``: calibrated ratios when an artifact fits,
   else the documented uncalibrated fallback (the result records which).
+- ``random:B``: the control of the importance metric: the tier counts of ``hqekv:B``
+  (same ratios, same protected chunks), chunks assigned at random
+  (``importance="random"``).
+- ``quanto:B`` (B in 2, 4): the external anchor, transformers' ``QuantizedCache`` with
+  the optimum-quanto backend at its defaults (groups of 64, a 128-token residual in the
+  model dtype), on the unpatched model (``pip install optimum-quanto``).
 
 Every result also records the *measured* bytes and effective bits, which is what the
 plots compare on.
@@ -25,10 +30,12 @@ from dataclasses import dataclass
 
 from ..config import TierRatios, check_bavg
 
-KINDS = ("fp16", "kivi", "evict", "hqekv")
+KINDS = ("fp16", "kivi", "evict", "hqekv", "random", "quanto")
 KIVI_BITS = {4: "int4", 2: "int2", 1: "int1"}
-METADATA_BITS = 1.0
-"""fp16 scale + zero per 32-element group: the real bits per element a uniform tier adds."""
+QUANTO_BITS = (2, 4)
+METADATA_BITS = 0.75
+"""Real bits per element a uniform tier adds: a 16-bit scale + zero per key group of 32 tokens
+(1 bit) and per value group of 64 channels (0.5 bit)."""
 
 
 @dataclass(frozen=True)
@@ -42,26 +49,38 @@ class Method:
     def name(self) -> str:
         return self.kind if self.bits is None else f"{self.kind}:{self.bits:g}"
 
-    def patch_kwargs(self, dtype_bits: int = 16) -> dict | None:
-        """Arguments of :func:`hqekv.patch_model` for this method; None for fp16 (unpatched).
-
-        ``dtype_bits``: bits per element of the model dtype, what a full-precision chunk costs.
-        """
-        if self.kind == "fp16":
+    def patch_kwargs(self) -> dict | None:
+        """Arguments of :func:`hqekv.patch_model` for this method; None for fp16 and quanto (unpatched)."""
+        if self.kind in ("fp16", "quanto"):
             return None
         if self.kind == "kivi":
             return {"ratios": TierRatios(**{KIVI_BITS[int(self.bits)]: 1.0}), "protected_chunks": 0}
         if self.kind == "evict":
-            keep = min(1.0, (self.bits + METADATA_BITS) / dtype_bits)
+            keep = min(1.0, (self.bits + METADATA_BITS) / 16)
             return {"ratios": TierRatios(fp16=keep, evict=1 - keep), "eviction": "key"}
+        if self.kind == "random":
+            return {"bavg": self.bits, "importance": "random"}
         return {"bavg": self.bits}
+
+    def new_cache(self, model):
+        """An empty cache for one sample, or None when the (patched or plain) model makes its own."""
+        if self.kind != "quanto":
+            return None
+        from transformers import QuantizedCache
+
+        return QuantizedCache("quanto", model.config.get_text_config(), nbits=int(self.bits))
 
     @contextlib.contextmanager
     def applied(self, model):
-        """Patch ``model`` for this method for the duration of the block (fp16: leave it as is)."""
+        """Patch ``model`` for this method for the duration of the block (fp16, quanto: leave it as is)."""
         from ..patching import patch_config, patch_model, unpatch_model
 
-        kwargs = self.patch_kwargs(8 * model.dtype.itemsize)
+        if self.kind == "quanto":
+            try:
+                import optimum.quanto  # noqa: F401
+            except ImportError as error:
+                raise ImportError("the quanto:B method needs optimum-quanto: pip install optimum-quanto") from error
+        kwargs = self.patch_kwargs()
         if kwargs is None:
             yield None
             return
@@ -78,7 +97,9 @@ def parse_method(spec: str) -> Method:
     """``"fp16"``, ``"kivi:2"``, ``"evict:3.2"``, ``"hqekv:2.8"`` -> :class:`Method`."""
     match = re.fullmatch(r"(\w+)(?::([0-9.]+))?", spec.strip())
     if not match or match.group(1) not in KINDS:
-        raise ValueError(f"unknown method {spec!r}; use fp16, kivi:B (B in 1, 2, 4), evict:B or hqekv:B")
+        raise ValueError(
+            f"unknown method {spec!r}; use fp16, kivi:B (B in 1, 2, 4), evict:B, hqekv:B, random:B or quanto:B (B in 2, 4)"
+        )
     kind, bits = match.group(1), match.group(2)
     if kind == "fp16":
         if bits is not None:
@@ -87,8 +108,10 @@ def parse_method(spec: str) -> Method:
     if bits is None:
         raise ValueError(f"{kind} needs a bit-width, e.g. {kind}:2")
     value = check_bavg(float(bits))
+    if kind == "quanto" and value not in QUANTO_BITS:
+        raise ValueError(f"quanto quantizes to 2 or 4 bits, got {bits}")
     if kind == "kivi" and value not in KIVI_BITS:
         raise ValueError(f"kivi stores every chunk at one tier: B must be 1, 2 or 4, got {bits}")
     if kind == "evict" and value + METADATA_BITS > 16:
-        raise ValueError(f"evict:B keeps (B + 1)/16 of the chunks: B must be at most 15, got {bits}")
+        raise ValueError(f"evict:B keeps (B + {METADATA_BITS:g})/16 of the chunks: B must be at most {16 - METADATA_BITS:g}, got {bits}")
     return Method(kind, value)

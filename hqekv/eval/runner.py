@@ -24,11 +24,28 @@ def cache_memory(cache) -> dict:
     if isinstance(cache, HqeKVCache):
         r = cache.memory_report()
         return {"cache_bytes": r.total_bytes, "elements": r.elements, "effective_bits": r.effective_bits, "bavg": r.bavg}
+    if hasattr(cache.layers[0], "_quantized_keys"):  # transformers' QuantizedCache: codes + residual
+        nbytes = elements = 0
+        for layer in cache.layers:
+            stored = [layer._quantized_keys, layer._quantized_values, layer.keys, layer.values]
+            nbytes += sum(t.nbytes for x in stored for t in _leaf_tensors(x))
+            b, h, _, d = layer._quantized_keys.shape
+            elements += 2 * b * h * layer.cumulative_length * d
+        return {"cache_bytes": nbytes, "elements": elements, "effective_bits": 8 * nbytes / elements,
+                "bavg": float(cache.layers[0].nbits)}  # fmt: skip
     tensors = [t for layer in cache.layers for t in (layer.keys, layer.values)]
     nbytes = sum(t.nbytes for t in tensors)
     elements = sum(t.numel() for t in tensors)
     bits = 8 * tensors[0].element_size()
     return {"cache_bytes": nbytes, "elements": elements, "effective_bits": 8 * nbytes / elements, "bavg": bits}
+
+
+def _leaf_tensors(x) -> list:
+    """The plain tensors a (possibly quantized, subclassed) tensor is made of."""
+    if hasattr(x, "__tensor_flatten__"):
+        names, _ = x.__tensor_flatten__()
+        return [t for n in names for t in _leaf_tensors(getattr(x, n))]
+    return [x]
 
 
 def evaluate(
@@ -68,7 +85,7 @@ def evaluate(
         for method in methods:
             with method.applied(model) as config:
                 for index, sample in tqdm(mine, desc=f"{task_name} {method.name}", disable=not progress):
-                    record, cache = task.run(model, tokenizer, sample)
+                    record, cache = task.run(model, tokenizer, sample, method.new_cache(model))
                     record.update(cache_memory(cache))
                     del cache
                     record.update(

@@ -41,17 +41,23 @@ def _sync():
         torch.cuda.synchronize()
 
 
-def greedy_generate(model, input_ids: torch.Tensor, max_new_tokens: int, eos_token_id=None):
+def _first_cache(cache) -> dict:
+    """Keyword arguments that hand an initial cache (or none: the model makes its own) to the prefill."""
+    return {} if cache is None else {"cache": cache}
+
+
+def greedy_generate(model, input_ids: torch.Tensor, max_new_tokens: int, eos_token_id=None, cache=None):
     """Greedy decoding by hand, timing prefill and decode apart.
 
     input_ids (1, N) -> (new token ids (T,), prefill seconds, decode seconds, cache).
-    Stops after ``max_new_tokens`` or at ``eos_token_id``.
+    Stops after ``max_new_tokens`` or at ``eos_token_id``. ``cache``: an empty cache to use
+    (e.g. transformers' ``QuantizedCache``); by default the model makes its own.
     """
     device = next(model.parameters()).device
     with torch.no_grad():
         _sync()
         start = time.perf_counter()
-        out = model(input_ids.to(device), use_cache=True, logits_to_keep=1)
+        out = model(input_ids.to(device), use_cache=True, logits_to_keep=1, **_first_cache(cache))
         _sync()
         prefill_s = time.perf_counter() - start
         cache = output_cache(out)
@@ -67,12 +73,12 @@ def greedy_generate(model, input_ids: torch.Tensor, max_new_tokens: int, eos_tok
     return torch.cat(tokens, 1)[0], prefill_s, decode_s, cache
 
 
-def continuation_nll(model, context: torch.Tensor, continuation: torch.Tensor, step: int = 32):
+def continuation_nll(model, context: torch.Tensor, continuation: torch.Tensor, step: int = 32, cache=None):
     """Negative log-likelihood of ``continuation`` (1, L) after ``context`` (1, N) held in the cache.
 
     The continuation goes in ``step``-token forwards, so a compressed cache re-ranks between
     them as in decoding. -> (per-token NLL (L,) float32, prefill seconds, seconds of the
-    continuation forwards, cache).
+    continuation forwards, cache). ``cache`` as in :func:`greedy_generate`.
     """
     device = next(model.parameters()).device
     context, continuation = context.to(device), continuation.to(device)
@@ -80,7 +86,7 @@ def continuation_nll(model, context: torch.Tensor, continuation: torch.Tensor, s
     with torch.no_grad():
         _sync()
         start = time.perf_counter()
-        out = model(context, use_cache=True, logits_to_keep=1)
+        out = model(context, use_cache=True, logits_to_keep=1, **_first_cache(cache))
         _sync()
         prefill_s = time.perf_counter() - start
         cache = output_cache(out)
@@ -140,8 +146,8 @@ class Task:
     def samples(self, tokenizer, n: int, lengths: list[int], seed: int) -> list[Sample]:
         raise NotImplementedError
 
-    def run(self, model, tokenizer, sample: Sample) -> tuple[dict, object]:
-        """-> (per-sample record with ``score`` and timings, cache)."""
+    def run(self, model, tokenizer, sample: Sample, cache=None) -> tuple[dict, object]:
+        """-> (per-sample record with ``score`` and timings, cache); ``cache``: an empty one to use."""
         raise NotImplementedError
 
 
@@ -161,8 +167,10 @@ class NeedleTask(Task):
             out.append(Sample(f"needle-{i}", ids, [key], {"length": length, "depth": depth}))
         return out
 
-    def run(self, model, tokenizer, sample):
-        new, prefill_s, decode_s, cache = greedy_generate(model, sample.input_ids, self.max_new_tokens, tokenizer.eos_token_id)
+    def run(self, model, tokenizer, sample, cache=None):
+        new, prefill_s, decode_s, cache = greedy_generate(
+            model, sample.input_ids, self.max_new_tokens, tokenizer.eos_token_id, cache
+        )
         text = tokenizer.decode(new, skip_special_tokens=True)
         record = {"prediction": text, "score": float(sample.answers[0] in text)}
         return _timed(record, prefill_s, decode_s, len(new)), cache
@@ -207,8 +215,10 @@ class SquadTask(Task):
             out.append(Sample(f"squad-{qa['id']}", ids, answers, {"length": length, "question": qa["question"]}))
         return out
 
-    def run(self, model, tokenizer, sample):
-        new, prefill_s, decode_s, cache = greedy_generate(model, sample.input_ids, self.max_new_tokens, tokenizer.eos_token_id)
+    def run(self, model, tokenizer, sample, cache=None):
+        new, prefill_s, decode_s, cache = greedy_generate(
+            model, sample.input_ids, self.max_new_tokens, tokenizer.eos_token_id, cache
+        )
         text = first_line(tokenizer.decode(new, skip_special_tokens=True))
         record = {
             "prediction": text,
@@ -237,8 +247,8 @@ class PerplexityTask(Task):
             out.append(Sample(f"ppl-{i}", ids[:, :length], [], {"length": length}, ids[:, length:]))
         return out
 
-    def run(self, model, tokenizer, sample):
-        nll, prefill_s, seconds, cache = continuation_nll(model, sample.input_ids, sample.continuation)
+    def run(self, model, tokenizer, sample, cache=None):
+        nll, prefill_s, seconds, cache = continuation_nll(model, sample.input_ids, sample.continuation, cache=cache)
         mean = float(nll.mean())
         record = {"nll": mean, "score": math.exp(mean)}
         return _timed(record, prefill_s, None, None), cache

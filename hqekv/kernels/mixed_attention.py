@@ -11,6 +11,8 @@ Inputs (``B`` rows, ``Hq`` query heads, ``Hkv`` KV heads, ``S`` new tokens, chun
   at tier ``k_tier`` (0 FP16, 1 4-bit, 2 2-bit, 3 1-bit) stored in slot ``k_slot`` of that
   tier's pool; entries with tier < 0 are empty. Every kept chunk precedes the new tokens.
 - tail_k, tail_v (B, Hkv, G, D), tail_len (B,) int64: the newest ``tail_len`` tokens in FP16.
+  The FP16 slots and the tail may be stored in a 16-bit dtype under an fp32 query; the
+  quantized tiers dequantize to the query dtype.
 
 -> (B, S, Hq, D) in the query dtype. A query that sees no token at all gets zeros.
 
@@ -360,9 +362,9 @@ if HAVE_TRITON:
                 else:
                     v = load_value_tile(v1c, v1a, v1b, centres_ptr, vs, h, s_v1c0, s_v1c1, s_v1cg, s_v1cn, s_v1cw, s_v1m0,
                                         s_v1m1, s_v1mg, s_v1mn, G, D, GROUP, BLOCK_G, BLOCK_D, 1, True, PACKED_V)  # fmt: skip
-                # the model sees the dequantized values in its own dtype, as the reference does
-                k = k.to(tk_ptr.dtype.element_ty).to(tl.float32)
-                v = v.to(tk_ptr.dtype.element_ty).to(tl.float32)
+                # the model sees the dequantized values in its own (the query's) dtype, as the reference does
+                k = k.to(q_ptr.dtype.element_ty).to(tl.float32)
+                v = v.to(q_ptr.dtype.element_ty).to(tl.float32)
                 m_i, l_i, acc = _online_update(q, k, v, in_chunk, m_i, l_i, acc, scaling, DOT_DTYPE, IEEE)
 
         # 3. the last split adds the FP16 tail and the new tokens

@@ -11,12 +11,15 @@ from hqekv.kernels.quantize_pack import quantize_pack_reference
 def random_mixed_cache(
     b: int, hq: int, hkv: int, s: int, d: int, n_chunks: int, g: int = 32, value_group: int = 32,
     dtype=torch.float32, tiers=(0, 1, 2, 3), empty_every: int = 0, seed: int = 0, device="cpu", quantize=None,
+    fp_dtype=None,
 ) -> dict:  # fmt: skip
     """Keyword arguments of ``mixed_attention`` with ``n_chunks`` table entries per row.
 
     Each row's chunks get tiers drawn from ``tiers`` (K and V independently); every
     ``empty_every``-th entry is left empty (-1). Pools hold the chunks in shuffled slots plus
-    a free slot at the end. ``quantize`` defaults to the reference quantizer.
+    a free slot at the end. ``quantize`` defaults to the reference quantizer. ``fp_dtype``
+    stores the FP16 pools and the tails in another dtype than the queries (as a cache does
+    for an fp32 model).
     """
     quantize = quantize or quantize_pack_reference
     gen = torch.Generator().manual_seed(seed)
@@ -39,7 +42,7 @@ def random_mixed_cache(
             slot[rows, cols] = torch.randperm(n, generator=gen)
             chunks = randn(n + 1, hkv, g, d) * (1 + torch.arange(d, device=device) % 3)  # + 1 free slot
             if t == 0:
-                comp_pools.append(chunks)
+                comp_pools.append(chunks if fp_dtype is None else chunks.to(fp_dtype))
             else:
                 bits, normalized = TIER_FORMATS[t]
                 comp_pools += quantize(chunks, bits, normalized, comp == "k", value_group, meta_dtype)
@@ -52,6 +55,6 @@ def random_mixed_cache(
     return dict(
         query=randn(b, hq, s, d), key=randn(b, hkv, s, d), value=randn(b, hkv, s, d),
         new_valid=new_valid.to(device), **pools, **tables,
-        tail_k=randn(b, hkv, g, d), tail_v=randn(b, hkv, g, d), tail_len=tail_len,
+        tail_k=randn(b, hkv, g, d).to(fp_dtype or dtype), tail_v=randn(b, hkv, g, d).to(fp_dtype or dtype), tail_len=tail_len,
         scaling=d**-0.5, value_group=value_group,
     )  # fmt: skip

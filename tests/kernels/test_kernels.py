@@ -118,6 +118,26 @@ def test_mixed_attention_kernel_equals_reference(name, dtype):
         torch.testing.assert_close(got.float(), expected.float(), atol=tol * scale, rtol=0)
 
 
+@pytest.mark.parametrize("fp_dtype", [torch.float16, torch.bfloat16])
+def test_mixed_attention_fp32_queries_over_16_bit_full_precision_parts(fp_dtype):
+    """An fp32 model's cache keeps FP16 chunks and the tail in 16 bits: both paths read them so."""
+    args = random_mixed_cache(dtype=torch.float32, fp_dtype=fp_dtype, **MIXED_SHAPES["decode"])
+    assert args["k_pools"][0].dtype == fp_dtype and args["tail_k"].dtype == fp_dtype
+    widened = dict(args, k_pools=[args["k_pools"][0].float(), *args["k_pools"][1:]],
+                   v_pools=[args["v_pools"][0].float(), *args["v_pools"][1:]],
+                   tail_k=args["tail_k"].float(), tail_v=args["tail_v"].float())  # fmt: skip
+    expected = mixed_attention_reference(**widened, strategy="dense")
+    assert expected.dtype == torch.float32
+    scale = expected.abs().max().item()
+    for strategy in ("pools", "dense"):
+        torch.testing.assert_close(mixed_attention_reference(**args, strategy=strategy), expected, atol=2e-5 * scale, rtol=0)
+    on_device = {k: ([t.to(DEVICE) for t in v] if isinstance(v, list) else v.to(DEVICE) if torch.is_tensor(v) else v)
+                 for k, v in args.items()}  # fmt: skip
+    got = mixed_attention_triton(**on_device).cpu()
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, expected, atol=ATTENTION_TOL[torch.float32] * scale, rtol=0)
+
+
 @pytest.mark.parametrize("name", list(MIXED_SHAPES))
 def test_mixed_attention_strategies_agree(name):
     """Reading pools per tier and attending over a dense dequantized copy give the same output."""
