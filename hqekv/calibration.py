@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +33,10 @@ KL_FLOOR = 1e-9
 """ln(KL) is taken of max(KL, KL_FLOOR): all-FP16 ratios score exactly 0 KL."""
 DEFAULT_TRIALS = 200
 CONTEXT_TOKENS = 16384
+"""Context of one calibration segment when there is one (the paper's 16K tokens)."""
+CALIBRATION_TOKENS = 16384
+"""Calibration text in all, split into segments (the paper's 16K tokens)."""
+DEFAULT_SEGMENTS = 4
 CONTINUATION_TOKENS = 128
 CACHE_SETTINGS = (
     "chunk_size", "window", "rerank_interval", "protected_chunks", "eviction", "value_group", "metadata_dtype", "fp_dtype",
@@ -226,6 +231,52 @@ class CompressionObjective:
         return data_term(self.kl(ratios), kl_scale) + alpha * ratios.int1 + beta * ratios.evict
 
 
+def context_length(model, context_tokens: int | None, continuation_tokens: int, segments: int = 1) -> int:
+    """Context tokens per calibration segment: ``context_tokens``, or by default
+    ``CALIBRATION_TOKENS / segments - continuation_tokens`` capped to the model's context.
+
+    Raises ``ValueError`` when an explicit length with the continuation exceeds the model's
+    ``max_position_embeddings``.
+    """
+    limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    if context_tokens is None:
+        context_tokens = CALIBRATION_TOKENS // segments - continuation_tokens
+        if limit is not None:
+            context_tokens = min(context_tokens, limit - continuation_tokens)
+    elif limit is not None and context_tokens + continuation_tokens > limit:
+        raise ValueError(
+            f"{context_tokens} context + {continuation_tokens} continuation tokens exceed the model's "
+            f"max_position_embeddings ({limit}): its distributions past that are not a calibration signal"
+        )
+    return context_tokens
+
+
+class SegmentedObjective:
+    """One :class:`CompressionObjective` per calibration segment (context, continuation).
+
+    A 128-token continuation after one context is a noisy signal: a handful of chunks it
+    happens to need can decide its KL. Several segments of the text average that out; the
+    search scores the mean data term over them (:func:`run_study`).
+
+    contexts (S, N), continuations (S, L) int64; settings as for :class:`CompressionObjective`.
+    """
+
+    def __init__(self, model, contexts: torch.Tensor, continuations: torch.Tensor, **settings):
+        if contexts.dim() != 2 or continuations.dim() != 2 or contexts.shape[0] != continuations.shape[0]:
+            raise ValueError("contexts and continuations must be (S, N) and (S, L) token ids, one row per segment")
+        self.parts = [CompressionObjective(model, c[None], n[None], **settings) for c, n in zip(contexts, continuations)]
+        self.settings, self.config = self.parts[0].settings, self.parts[0].config
+        self.setup_seconds = sum(p.setup_seconds for p in self.parts)
+
+    def kls(self, ratios) -> list[float]:
+        """Mean KL of each segment's continuation."""
+        return [part.kl(ratios) for part in self.parts]
+
+    def kl(self, ratios) -> float:
+        """Mean KL over the segments."""
+        return statistics.fmean(self.kls(ratios))
+
+
 def reference_style_kl(model, context: torch.Tensor, continuation: torch.Tensor, ratios, **settings) -> float:
     """The objective as a reference run computes it: a full compressed prefill per trial.
 
@@ -257,7 +308,7 @@ class CalibrationResult:
     best_loss: float
     best_kl: float
     trials: int
-    history: list[dict] = field(default_factory=list)  # number, x3, x4, loss, kl, state, seconds
+    history: list[dict] = field(default_factory=list)  # number, x3, x4, loss, kl, kls (per segment), state, seconds
     metadata: dict = field(default_factory=dict)
     path: Path | None = None
 
@@ -297,7 +348,9 @@ def run_study(
 ) -> CalibrationResult:
     """Run (or continue) one TPE study until it holds ``trials`` completed trials.
 
-    Infeasible samples (δ1 < 0 or δ2 < 0) are pruned without running the model. Several
+    ``objective``: a :class:`CompressionObjective` (``kl``) or :class:`SegmentedObjective`
+    (``kls``, one KL per segment); a trial's loss is the mean data term over the segments
+    plus α·δ3 + β·δ4. Infeasible samples (δ1 < 0 or δ2 < 0) are pruned without running the model. Several
     processes may run this on one RDB ``storage``; each stops once the study is complete.
     The sampler is seeded with ``seed + worker`` so that workers propose different trials.
     """
@@ -334,10 +387,12 @@ def run_study(
         if ratios is None:
             raise optuna.TrialPruned("infeasible: δ1 < 0 or δ2 < 0")
         start = time.perf_counter()
-        kl = objective.kl(ratios)
-        trial.set_user_attr("kl", kl)
+        kls = objective.kls(ratios) if hasattr(objective, "kls") else [objective.kl(ratios)]
+        trial.set_user_attr("kl", statistics.fmean(kls))
+        if len(kls) > 1:
+            trial.set_user_attr("kls", kls)
         trial.set_user_attr("seconds", time.perf_counter() - start)
-        return data_term(kl, kl_scale) + alpha * x3 + beta * x4
+        return statistics.fmean(data_term(kl, kl_scale) for kl in kls) + alpha * x3 + beta * x4
 
     done = completed()
     bar = tqdm(total=trials, initial=min(done, trials), desc=f"calibrate bavg={bavg:g}", disable=not progress)
@@ -375,6 +430,7 @@ def _result(study, bavg: float) -> CalibrationResult:
                 "x4": t.params.get("x4"),
                 "loss": t.value,
                 "kl": t.user_attrs.get("kl"),
+                "kls": t.user_attrs.get("kls"),
                 "seconds": t.user_attrs.get("seconds"),
             }
         )
@@ -402,7 +458,8 @@ def calibrate(
     storage: str | None = None,
     out: str | Path | None = None,
     seed: int = 0,
-    context_tokens: int = CONTEXT_TOKENS,
+    context_tokens: int | None = None,
+    segments: int = DEFAULT_SEGMENTS,
     continuation_tokens: int = CONTINUATION_TOKENS,
     alpha: float = ALPHA,
     beta: float = BETA,
@@ -429,8 +486,13 @@ def calibrate(
         Where to write one artifact per bavg (see :mod:`hqekv.artifacts`) and its report.
     seed : int
         Seed of the TPE sampler.
-    context_tokens, continuation_tokens : int
-        Calibration context (prefilled once) and the held continuation that is scored.
+    segments, context_tokens, continuation_tokens : int
+        The calibration text is cut into ``segments`` consecutive (context, continuation)
+        pairs; each context is prefilled once and its continuation scored. The context
+        defaults to ``CALIBRATION_TOKENS / segments - continuation_tokens`` (4 × (3968 + 128):
+        the paper's 16K tokens of text), capped so that context and continuation fit the
+        model's ``max_position_embeddings``: past its trained context a model's
+        distributions are off-distribution noise, and so is their KL (:func:`context_length`).
     alpha, beta : float
         Penalties on δ3 and δ4 in the objective.
     kl_scale : {"log", "linear"}, default "log"
@@ -458,8 +520,9 @@ def calibrate(
     values = [check_bavg(b) for b in ([bavg] if single else bavg)]
     for b in values:
         search_box(b)
-    text = calibration_text(tokenizer, context_tokens, continuation_tokens)
-    objective = CompressionObjective(model, text.context, text.continuation, **settings)
+    context_tokens = context_length(model, context_tokens, continuation_tokens, segments)
+    text = calibration_text(tokenizer, context_tokens, continuation_tokens, segments)
+    objective = SegmentedObjective(model, text.context, text.continuation, **settings)
     fingerprint = model_fingerprint(model)
     config = objective.config
     results = []
@@ -494,6 +557,7 @@ def calibrate(
             "study_name": name,
             "calibration_data": text.description,
             "calibration_data_sha256": text.sha256,
+            "segments": text.context.shape[0],
             "context_tokens": text.context.shape[1],
             "continuation_tokens": text.continuation.shape[1],
             "library_version": __version__,

@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from .calibration import ALPHA, BETA, CONTEXT_TOKENS, CONTINUATION_TOKENS, DEFAULT_TRIALS, KL_SCALES
+from .calibration import ALPHA, BETA, CALIBRATION_TOKENS, CONTINUATION_TOKENS, DEFAULT_SEGMENTS, DEFAULT_TRIALS, KL_SCALES
 from .eval.runner import DEFAULT_METHODS, DEFAULT_TASKS
 
 
@@ -49,7 +49,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="Optuna storage URL; default sqlite:///OUT/study.db (resumable). Any RDB URL lets workers share studies",
     )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--context-tokens", type=int, default=CONTEXT_TOKENS)
+    p.add_argument(
+        "--context-tokens", type=int,
+        help=f"context per segment (default {CALIBRATION_TOKENS} / segments - continuation, capped to the model's "
+        "max_position_embeddings)",
+    )  # fmt: skip
+    p.add_argument("--segments", type=int, default=DEFAULT_SEGMENTS,
+                   help="consecutive (context, continuation) segments of the calibration text (default %(default)s)")  # fmt: skip
     p.add_argument("--continuation-tokens", type=int, default=CONTINUATION_TOKENS)
     p.add_argument("--alpha", type=float, default=ALPHA, help="penalty on the 1-bit share δ3")
     p.add_argument("--beta", type=float, default=BETA, help="penalty on the evicted share δ4")
@@ -103,6 +109,7 @@ def run_calibration(args, model, tokenizer, model_id: str, *, write: bool = True
         out=Path(args.out) if write else None,
         seed=args.seed,
         context_tokens=args.context_tokens,
+        segments=args.segments,
         continuation_tokens=args.continuation_tokens,
         alpha=args.alpha,
         beta=args.beta,

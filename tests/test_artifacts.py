@@ -26,7 +26,7 @@ def metadata(model, bavg=2.0, **overrides):
         "rerank_interval": 32,
         "protected_chunks": 2,
         "eviction": "joint",
-        "value_group": 32,
+        "value_group": 64,
         "alpha": 2.0,
         "beta": 4.0,
         "trials": 200,

@@ -27,7 +27,7 @@ def test_fp16_ratios_reproduce_unpatched_and_unpatch_is_exact(tiny):
     ref = greedy(tiny, ids, 70)
     with torch.no_grad():
         logits_before = tiny(ids).logits
-    hqekv.patch_model(tiny, ratios=hqekv.FP16_RATIOS, value_group=16)
+    hqekv.patch_model(tiny, ratios=hqekv.FP16_RATIOS, value_group=16, fp_dtype="model")
     assert torch.equal(greedy(tiny, ids, 70), ref)
     hqekv.unpatch_model(tiny)
     assert not hqekv.is_patched(tiny)
@@ -267,9 +267,48 @@ def test_use_cache_false_is_plain_attention(tiny):
 def test_beam_search_reorders_rows(tiny):
     ids = prompt(130, seed=9)
     ref = greedy(tiny, ids, 40, num_beams=3)
-    hqekv.patch_model(tiny, ratios=hqekv.FP16_RATIOS, value_group=16)
+    hqekv.patch_model(tiny, ratios=hqekv.FP16_RATIOS, value_group=16, fp_dtype="model")
     assert torch.equal(greedy(tiny, ids, 40, num_beams=3), ref)
     hqekv.unpatch_model(tiny)
     hqekv.patch_model(tiny, ratios=MIXED, value_group=16)
     out = greedy(tiny, ids, 40, num_beams=3)  # rows share pool slots after reordering, then re-rank
     assert out.shape == ref.shape
+
+
+@pytest.mark.parametrize("fp_dtype, stored", [(None, torch.float16), ("bfloat16", torch.bfloat16), ("model", torch.float32)])
+def test_full_precision_parts_are_16_bit_whatever_the_model_dtype(tiny, fp_dtype, stored):
+    """An fp32 model's FP16 chunks, tail and window queries take 16 bits unless fp_dtype="model"."""
+    assert tiny.dtype == torch.float32
+    hqekv.patch_model(tiny, ratios=hqekv.FP16_RATIOS, value_group=16, fp_dtype=fp_dtype)
+    try:
+        ids = prompt(150, seed=4)
+        with torch.no_grad():
+            cache = output_cache(tiny(ids, use_cache=True))
+            for _ in range(40):  # decode steps: tail writes, a flush and a re-rank
+                cache = output_cache(tiny(ids[:, :1], cache=cache, use_cache=True))
+        for layer in cache.layers:
+            assert {layer.k_fp.dtype, layer.v_fp.dtype, layer.tail_k.dtype, layer.tail_v.dtype, layer.win_q.dtype} == {stored}
+        report = cache.memory_report()
+        bits = 8 * stored.itemsize
+        per_element = 8 * (report.bytes_by_part["k.fp16"] + report.bytes_by_part["v.fp16"]) / report.elements
+        tail = 2 * 32 / 190  # the 32-token tail buffer per component, over 190 real tokens
+        assert per_element == pytest.approx(bits * (1 - (190 % 32) / 190), rel=1e-6)
+        assert 8 * report.bytes_by_part["tail"] / report.elements == pytest.approx(bits * tail / 2, rel=0.01)
+    finally:
+        hqekv.unpatch_model(tiny)
+
+
+def test_random_importance_keeps_the_tier_counts(tiny):
+    """importance="random" (the control) assigns the same number of chunks per tier, to other chunks."""
+    counts, tiers = {}, {}
+    for kind in ("attention", "random"):
+        hqekv.patch_model(tiny, ratios=MIXED, value_group=16, importance=kind)
+        try:
+            with torch.no_grad():
+                cache = output_cache(tiny(prompt(400, seed=5), use_cache=True))
+        finally:
+            hqekv.unpatch_model(tiny)
+        counts[kind] = [layer.chunk_counts() for layer in cache.layers]
+        tiers[kind] = [layer.k_tier.clone() for layer in cache.layers]
+    assert counts["attention"] == counts["random"]
+    assert any(not torch.equal(a, r) for a, r in zip(tiers["attention"], tiers["random"]))

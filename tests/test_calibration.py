@@ -9,8 +9,11 @@ from hqekv.artifacts import load_artifact
 from hqekv.calibration import (
     CompressionObjective,
     calibrate,
+    context_length,
+    data_term,
     ratios_from_free,
     reference_style_kl,
+    run_study,
     search_box,
 )
 
@@ -115,7 +118,9 @@ def test_calibrate_end_to_end_then_resume(tmp_path):
     completed = [h for h in first.history if h["state"] == "COMPLETE"]
     assert len(completed) == 20
     assert first.best_loss == min(h["loss"] for h in completed)
-    assert all(math.isclose(h["loss"], math.log(max(h["kl"], 1e-9)) + 2 * h["x3"] + 4 * h["x4"]) for h in completed)
+    for h in completed:  # the mean ln KL of the 4 segments, plus the regulariser
+        assert len(h["kls"]) == 4 and math.isclose(h["kl"], sum(h["kls"]) / 4)
+        assert math.isclose(h["loss"], sum(math.log(max(k, 1e-9)) for k in h["kls"]) / 4 + 2 * h["x3"] + 4 * h["x4"])
     assert all(h["x3"] is not None and ratios_from_free(2.0, h["x3"], h["x4"]) is None
                for h in first.history if h["state"] == "PRUNED"), "only infeasible samples are pruned"
 
@@ -124,7 +129,7 @@ def test_calibrate_end_to_end_then_resume(tmp_path):
     meta = artifact.metadata
     assert meta["model_id"] == "tiny/llama" and meta["bavg"] == 2.0 and meta["trials"] == 20
     assert (meta["chunk_size"], meta["window"], meta["rerank_interval"], meta["alpha"], meta["beta"]) == (32, 20, 32, 2.0, 4.0)
-    assert meta["context_tokens"] == 320 and len(meta["calibration_data_sha256"]) == 64
+    assert meta["context_tokens"] == 320 and meta["segments"] == 4 and len(meta["calibration_data_sha256"]) == 64
     assert "SQuAD" in meta["calibration_data"]
     assert (tmp_path / first.path.name.replace(".safetensors", ".report.json")).is_file()
     assert (tmp_path / first.path.name.replace(".safetensors", ".history.png")).is_file()
@@ -160,3 +165,38 @@ def test_study_refuses_another_bavg(tmp_path, objective_setup):
     with pytest.raises(ValueError, match="bavg=2"):
         run_study(objective, 3.2, trials=2, storage=storage, name="same", progress=False)
 
+
+
+class EvictionHelps:
+    """A stand-in objective with the shape measured on SmolLM2 at bavg 2: the all-2-bit end has
+    ten times the KL of ratios that evict a third of the chunks and keep the rest at 4 bits."""
+
+    def kl(self, ratios):
+        return 0.3 * math.exp(-8 * ratios.evict) + 0.02 * ratios.int1
+
+
+@pytest.mark.parametrize("kl_scale, evicts", [("log", True), ("linear", False)])
+def test_the_log_scale_lets_the_data_decide_where_the_linear_one_cannot(kl_scale, evicts):
+    """On the KL's own scale α·δ3 + β·δ4 outweighs a tenfold KL gain; on ln KL it is a tie-breaker."""
+    result = run_study(EvictionHelps(), 2.0, trials=60, kl_scale=kl_scale, progress=False)
+    assert (result.ratios.evict > 0.25) is evicts, result.ratios.describe()
+    assert result.best_loss == pytest.approx(data_term(result.best_kl, kl_scale) + 2 * result.ratios.int1 + 4 * result.ratios.evict)
+
+
+def test_data_term():
+    assert data_term(math.e**-3) == pytest.approx(-3.0)
+    assert data_term(0.0) == math.log(1e-9)  # all-FP16 ratios: KL exactly 0
+    assert data_term(0.25, "linear") == 0.25
+    with pytest.raises(ValueError, match="kl_scale"):
+        data_term(0.1, "square")
+    with pytest.raises(ValueError, match="kl_scale"):
+        run_study(EvictionHelps(), 2.0, trials=1, kl_scale="square", progress=False)
+
+
+def test_context_is_capped_to_the_models_positions():
+    model = tiny_llama(seed=0, layers=1)
+    limit = model.config.max_position_embeddings
+    assert context_length(model, None, 128) == min(16384, limit - 128)
+    assert context_length(model, 100, 28) == 100
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        context_length(model, limit, 128)

@@ -9,7 +9,7 @@ from hqekv.eval import evaluate, parse_method, summarize, write_results
 from hqekv.eval.methods import Method
 from hqekv.eval.tasks import TASKS, exact_match, f1_score
 
-METHODS = ["fp16", "hqekv:16", "kivi:2", "kivi:4", "evict:2", "hqekv:2", "hqekv:3.2"]
+METHODS = ["fp16", "hqekv:16", "kivi:2", "kivi:4", "evict:2", "hqekv:2", "hqekv:3.2", "random:2", "quanto:2", "quanto:4"]
 LENGTHS = [384]
 
 
@@ -17,7 +17,8 @@ def test_parse_method():
     assert parse_method("fp16") == Method("fp16")
     assert parse_method("kivi:2") == Method("kivi", 2.0)
     assert parse_method("hqekv:3.2").name == "hqekv:3.2"
-    for bad in ["fp8", "kivi:3", "kivi", "fp16:2", "evict:16", "hqekv:0", "hqekv:x"]:
+    assert parse_method("quanto:4") == Method("quanto", 4.0) and parse_method("random:2").name == "random:2"
+    for bad in ["fp8", "kivi:3", "kivi", "fp16:2", "evict:16", "hqekv:0", "hqekv:x", "quanto:3", "quanto", "random"]:
         with pytest.raises(ValueError):
             parse_method(bad)
 
@@ -26,9 +27,10 @@ def test_equal_memory_settings():
     kivi = parse_method("kivi:2").patch_kwargs()
     assert kivi["ratios"].int2 == 1.0 and kivi["protected_chunks"] == 0
     evict = parse_method("evict:2").patch_kwargs()
-    assert evict["ratios"].fp16 == pytest.approx(3 / 16) and evict["eviction"] == "key"
-    assert parse_method("evict:2").patch_kwargs(dtype_bits=32)["ratios"].fp16 == pytest.approx(3 / 32)
-    assert parse_method("fp16").patch_kwargs() is None
+    # full-precision chunks cost 16 bits whatever the model dtype; kivi:2 costs 2 + 0.75 metadata bits
+    assert evict["ratios"].fp16 == pytest.approx(2.75 / 16) and evict["eviction"] == "key"
+    assert parse_method("fp16").patch_kwargs() is None and parse_method("quanto:2").patch_kwargs() is None
+    assert parse_method("random:3.2").patch_kwargs() == {"bavg": 3.2, "importance": "random"}
 
 
 def test_squad_scoring():
@@ -98,6 +100,24 @@ def test_fp16_and_all_fp16_hqekv_score_identically(run):
             assert r["score"] == pytest.approx(ref["score"], rel=1e-4)
         else:
             assert r["prediction"] == ref["prediction"] and r["score"] == ref["score"]
+
+
+def test_random_control_has_the_tier_counts_of_hqekv(run):
+    """random:B keeps hqekv:B's ratios and bytes; only which chunks go where differs."""
+    rows = {(r["task"], r["method"]): r for r in summarize(run)}
+    for task in ("needle", "squad", "ppl"):
+        hq, rnd = rows[(task, "hqekv:2")], rows[(task, "random:2")]
+        assert rnd["ratios"] == hq["ratios"] and rnd["ratios_source"] == hq["ratios_source"]
+        assert rnd["effective_bits"] == pytest.approx(hq["effective_bits"], rel=0.02)
+
+
+def test_quanto_anchor_counts_its_codes_and_residual(run):
+    """quanto:B is transformers' QuantizedCache: fewer bytes at 2 bits than at 4, both below the dense cache."""
+    rows = {(r["task"], r["method"]): r for r in summarize(run)}
+    for task in ("needle", "ppl"):
+        q2, q4, fp16 = (rows[(task, m)]["cache_bytes"] for m in ("quanto:2", "quanto:4", "fp16"))
+        assert q2 < q4 < fp16
+        assert rows[(task, "quanto:2")]["ratios_source"] is None  # not patched
 
 
 def test_compressed_methods_store_less_than_fp16(run):

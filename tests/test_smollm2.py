@@ -23,7 +23,7 @@ def test_all_fp16_ratios_generate_the_unpatched_tokens_on_2k_prompt(smollm2):
     with torch.no_grad():
         logits_before = model(inputs.input_ids[:, :300]).logits
     reference = _generate(model, inputs, 40)
-    hqekv.patch_model(model, ratios=hqekv.FP16_RATIOS)
+    hqekv.patch_model(model, ratios=hqekv.FP16_RATIOS, fp_dtype="model")
     try:
         assert torch.equal(_generate(model, inputs, 40), reference)
     finally:
