@@ -94,12 +94,39 @@ def main():
                 verdict = "" if allowed is None else f" (limit {bavg + allowed:.2f}: {'ok' if row['meets_target'] else 'MISSED'})"
                 print(f"{dtype_name:8s} bavg {bavg:>4} {n:6d} tokens: effective {report.effective_bits:.3f} bits, "
                       f"code bavg {report.bavg:.3f}{verdict}\n    {parts}", flush=True)  # fmt: skip
+    levers = lever_rows(model, text_config, args.bavg)
     save("memory", {
         "model": "SmolLM2-135M-Instruct shapes, random K/V, shipped ratios",
         "decode_steps": DECODE_STEPS,
         "all_targets_met": all(r["meets_target"] is not False for r in rows),
         "rows": rows,
+        "levers": levers,
     })  # fmt: skip
+
+
+LEVERS = [
+    ("before: model-dtype full precision, value groups of 32", {"fp_dtype": "model", "value_group": 32}),
+    ("+ 16-bit full precision", {"value_group": 32}),
+    ("+ value groups of 64 (defaults)", {}),
+]
+
+
+def lever_rows(model, text_config, bavgs, tokens: int = 4096) -> list[dict]:
+    """Effective bits at ``tokens`` of an fp32 model as each byte lever is switched on, same ratios."""
+    import dataclasses
+
+    rows = []
+    for bavg in bavgs:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", hqekv.UncalibratedRatiosWarning)
+            base = resolve_config(model, bavg)
+        for name, settings in LEVERS:
+            config = dataclasses.replace(base, **{"fp_dtype": None, "value_group": 64, **settings})
+            report = fill(config, text_config, tokens, torch.float32).memory_report()
+            rows.append({"bavg_target": bavg, "tokens": tokens + DECODE_STEPS, "dtype": "float32", "lever": name,
+                         "effective_bits": report.effective_bits, "ratios": base.ratios.describe()})  # fmt: skip
+            print(f"levers fp32 bavg {bavg:>4} {tokens} tokens: {report.effective_bits:.3f} bits  {name}", flush=True)
+    return rows
 
 
 if __name__ == "__main__":

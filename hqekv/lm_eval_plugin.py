@@ -12,8 +12,8 @@ Install with ``pip install hqekv[eval]``.
 Model arguments: everything ``hf`` takes (``pretrained``, ``gguf_file``, ``dtype``, ...)
 plus ``bavg``, ``artifact`` and the cache settings of :func:`hqekv.patch_model`
 (``chunk_size``, ``window``, ``rerank_interval``, ``protected_chunks``, ``eviction``,
-``value_group``). The compressed cache changes what a model generates after its prompt:
-generation tasks (LongBench, RULER, needle tests) measure it. A log-likelihood task scores
+``value_group``, ``fp_dtype``, ``importance``). The compressed cache changes what a model
+generates after its prompt: generation tasks (LongBench, RULER, needle tests) measure it. A log-likelihood task scores
 prompt and continuation in one forward, whose attention is exact, so it cannot tell the
 methods apart.
 """
@@ -25,7 +25,10 @@ from lm_eval.models.huggingface import HFLM
 
 import hqekv
 
-PATCH_ARGS = ("bavg", "artifact", "chunk_size", "window", "rerank_interval", "protected_chunks", "eviction", "value_group")
+PATCH_ARGS = (
+    "bavg", "artifact", "chunk_size", "window", "rerank_interval", "protected_chunks", "eviction", "value_group",
+    "fp_dtype", "importance",
+)  # fmt: skip
 _INT_ARGS = ("chunk_size", "window", "rerank_interval", "protected_chunks", "value_group")
 
 

@@ -7,6 +7,7 @@ import pytest
 
 from hqekv.eval import evaluate, parse_method, summarize, write_results
 from hqekv.eval.methods import Method
+from hqekv.eval.runner import baseline_at, equal_bytes_comparison
 from hqekv.eval.tasks import TASKS, exact_match, f1_score
 
 METHODS = ["fp16", "hqekv:16", "kivi:2", "kivi:4", "evict:2", "hqekv:2", "hqekv:3.2", "random:2", "quanto:2", "quanto:4"]
@@ -31,6 +32,21 @@ def test_equal_memory_settings():
     assert evict["ratios"].fp16 == pytest.approx(2.75 / 16) and evict["eviction"] == "key"
     assert parse_method("fp16").patch_kwargs() is None and parse_method("quanto:2").patch_kwargs() is None
     assert parse_method("random:3.2").patch_kwargs() == {"bavg": 3.2, "importance": "random"}
+
+
+def test_baselines_are_interpolated_at_equal_bytes():
+    kivi = [(3.0, 24.0), (5.0, 20.0)]  # (effective bits, perplexity)
+    assert baseline_at(kivi, 4.0) == pytest.approx(22.0)
+    assert baseline_at(kivi, 6.0) == 20.0  # past its last point: that point
+    assert baseline_at(kivi, 2.5) is None  # it cannot be run that small
+    rows = [
+        {"task": "ppl", "method": m, "effective_bits": b, "score": p, "higher_is_better": False}
+        for m, b, p in [("kivi:2", 3.0, 24.0), ("kivi:4", 5.0, 20.0), ("hqekv:2", 2.9, 23.0), ("hqekv:3.2", 4.0, 22.5)]
+    ]
+    got = {(c["method"], c["baseline"]): c for c in equal_bytes_comparison(rows)}
+    assert set(got) == {("hqekv:2", "kivi"), ("hqekv:3.2", "kivi")}
+    assert got[("hqekv:2", "kivi")]["wins"] and got[("hqekv:2", "kivi")]["baseline_score"] is None
+    assert not got[("hqekv:3.2", "kivi")]["wins"] and got[("hqekv:3.2", "kivi")]["baseline_score"] == pytest.approx(22.0)
 
 
 def test_squad_scoring():

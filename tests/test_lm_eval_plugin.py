@@ -73,7 +73,7 @@ def test_hqekv_model_type_patches_and_generates(smollm2, task_dir):
     model, tok = smollm2
     plain = _evaluate("hf", {"pretrained": model, "tokenizer": tok}, task_dir)
     try:
-        same = _evaluate("hqekv", {"pretrained": model, "tokenizer": tok, "bavg": 16}, task_dir)
+        same = _evaluate("hqekv", {"pretrained": model, "tokenizer": tok, "bavg": 16, "fp_dtype": "model"}, task_dir)
         assert hqekv.patch_config(model).ratios == hqekv.FP16_RATIOS
         assert _responses(same) == _responses(plain), "all-FP16 hqekv must generate what the plain model does"
         hqekv.unpatch_model(model)
@@ -82,7 +82,8 @@ def test_hqekv_model_type_patches_and_generates(smollm2, task_dir):
         config = hqekv.patch_config(model)
         assert config.bavg == 2.0 and config.ratios_source.startswith("shipped:")
         report = hqekv.memory_report(model)
-        assert report.chunks["k.int2"] > 0 and report.bavg < 4, "the generations ran through the compressed cache"
+        quantized = sum(report.chunks[f"k.{t}"] for t in ("int4", "int2", "int1"))
+        assert quantized > 0 and report.bavg < 4, "the generations ran through the compressed cache"
         for result in (plain, same, compressed):
             assert 0.0 <= result["results"]["hqekv_tiny_passkey"]["exact_match,contains"] <= 1.0
         assert len(_responses(compressed)) == 2 and all(isinstance(r, str) for r in _responses(compressed))

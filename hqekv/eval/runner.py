@@ -114,16 +114,18 @@ def _mean(values):
     return statistics.fmean(values) if values else None
 
 
-def summarize(records: list[dict]) -> list[dict]:
-    """One row per (task, method), in first-seen order; agreement is with the fp16 prediction."""
+def summarize(records: list[dict], by_length: bool = False) -> list[dict]:
+    """One row per (task, method), or per (task, prompt length, method) with ``by_length``, in
+    first-seen order; agreement is with the fp16 prediction."""
     reference = {(r["task"], r["index"]): r.get("prediction") for r in records if r["method"] == "fp16"}
-    groups: dict[tuple[str, str], list[dict]] = {}
+    groups: dict[tuple, list[dict]] = {}
     for r in records:
-        groups.setdefault((r["task"], r["method"]), []).append(r)
+        groups.setdefault((r["task"], r.get("length") if by_length else None, r["method"]), []).append(r)
     rows = []
-    for (task, method), rs in groups.items():
+    for (task, length, method), rs in groups.items():
         row = {
             "task": task,
+            **({"length": length} if by_length else {}),
             "method": method,
             "metric": TASKS[task].metric,
             "higher_is_better": TASKS[task].higher_is_better,
@@ -148,14 +150,77 @@ def summarize(records: list[dict]) -> list[dict]:
     return rows
 
 
+BASELINES = ("kivi", "evict", "quanto")
+"""Method families an HqeKV point is compared with at equal bytes."""
+
+
+def baseline_at(points: list[tuple[float, float]], bits: float) -> float | None:
+    """A baseline family's score at ``bits`` effective bits: linear between its points
+    (bits, score); its largest point when ``bits`` is past it; None when every point of the
+    family costs more (it cannot be run in that memory)."""
+    points = sorted(points)
+    if not points or bits < points[0][0]:
+        return None
+    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        if x0 <= bits <= x1:
+            return y0 if x1 == x0 else y0 + (y1 - y0) * (bits - x0) / (x1 - x0)
+    return points[-1][1]
+
+
+def equal_bytes_comparison(rows: list[dict], families=("hqekv", "random")) -> list[dict]:
+    """Each ``families`` point against every baseline family at its own effective bits.
+
+    rows: :func:`summarize` rows (of one length, or pooled). -> one dict per (task, [length,]
+    method, baseline): the method's score, the baseline's at the same bytes
+    (:func:`baseline_at`; None if the baseline cannot be run that small) and ``wins``: the
+    method's score is at least the baseline's (ties count, in the task's direction).
+    """
+    out = []
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["task"], r.get("length")), []).append(r)
+    for (task, length), rs in groups.items():
+        for r in rs:
+            if r["method"].split(":")[0] not in families:
+                continue
+            for family in BASELINES:
+                points = [(b["effective_bits"], b["score"]) for b in rs if b["method"].split(":")[0] == family]
+                if not points:
+                    continue
+                other = baseline_at(points, r["effective_bits"])
+                better = other is None or (r["score"] >= other if r["higher_is_better"] else r["score"] <= other)
+                out.append({
+                    "task": task, **({"length": length} if length is not None else {}), "method": r["method"],
+                    "baseline": family, "effective_bits": r["effective_bits"], "score": r["score"],
+                    "baseline_score": other, "wins": better,
+                })  # fmt: skip
+    return out
+
+
+def comparison_table(comparisons: list[dict]) -> str:
+    """Markdown: each method against each baseline at equal bytes."""
+    lines = [
+        "| task | length | method | effective bits | score | baseline | baseline at these bytes | at least as good |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for c in comparisons:
+        other = "cannot fit" if c["baseline_score"] is None else f"{c['baseline_score']:.3f}"
+        lines.append(
+            f"| {c['task']} | {c.get('length', 'all')} | {c['method']} | {c['effective_bits']:.2f} | {c['score']:.3f} | "
+            f"{c['baseline']} | {other} | {'yes' if c['wins'] else '**no**'} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def markdown_table(rows: list[dict]) -> str:
     """Markdown tables, one per task."""
     lines = []
-    for task in dict.fromkeys(r["task"] for r in rows):
-        rs = [r for r in rows if r["task"] == task]
+    for task, length in dict.fromkeys((r["task"], r.get("length")) for r in rows):
+        rs = [r for r in rows if r["task"] == task and r.get("length") == length]
         direction = "higher" if rs[0]["higher_is_better"] else "lower"
+        at = "" if length is None else f" at {length} tokens"
         lines += [
-            f"### {task}: {rs[0]['metric']} ({direction} is better)",
+            f"### {task}{at}: {rs[0]['metric']} ({direction} is better)",
             "",
             "| method | score | agreement with fp16 | cache MiB | effective bits | bavg | prefill s | decode tok/s | ratios |",
             "|---|---|---|---|---|---|---|---|---|",
@@ -180,8 +245,8 @@ def plot(rows: list[dict], path: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     written = []
-    for task in dict.fromkeys(r["task"] for r in rows):
-        rs = [r for r in rows if r["task"] == task]
+    for task, length in dict.fromkeys((r["task"], r.get("length")) for r in rows):
+        rs = [r for r in rows if r["task"] == task and r.get("length") == length]
         fig, ax = plt.subplots(figsize=(5.5, 3.8), dpi=100)
         for family in dict.fromkeys(r["method"].split(":")[0] for r in rs):
             pts = sorted((r["effective_bits"], r["score"]) for r in rs if r["method"].split(":")[0] == family)
@@ -194,11 +259,12 @@ def plot(rows: list[dict], path: Path) -> list[Path]:
                 ax.annotate(r["method"].split(":")[1], (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
         ax.set_xlabel("effective bits per K/V element (real bytes)")
         ax.set_ylabel(rs[0]["metric"])
-        ax.set_title(f"{task} ({'higher' if rs[0]['higher_is_better'] else 'lower'} is better)", fontsize=10)
+        at = "" if length is None else f", {length} tokens"
+        ax.set_title(f"{task}{at} ({'higher' if rs[0]['higher_is_better'] else 'lower'} is better)", fontsize=10)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
         fig.tight_layout()
-        out = path / f"{task}.png"
+        out = path / (f"{task}.png" if length is None else f"{task}-{length}.png")
         fig.savefig(out)
         plt.close(fig)
         written.append(out)
@@ -211,9 +277,18 @@ def write_results(records: list[dict], out: Path | str, settings: dict) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     records = sort_records(records, settings.get("tasks"), settings.get("methods"))
     rows = summarize(records)
-    payload = {"version": RESULTS_VERSION, "settings": settings, "summary": rows, "records": records}
+    by_length = summarize(records, by_length=True)
+    comparisons = equal_bytes_comparison(by_length)
+    payload = {"version": RESULTS_VERSION, "settings": settings, "summary": rows, "summary_by_length": by_length,
+               "equal_bytes": comparisons, "records": records}  # fmt: skip
     (out / "results.json").write_text(json.dumps(payload, indent=1) + "\n")
     header = f"# hqekv eval: {settings.get('model_id', '')}\n\n```\n{settings.get('command', '')}\n```\n\n"
-    (out / "results.md").write_text(header + markdown_table(rows))
+    text = header + markdown_table(rows)
+    if len({r.get("length") for r in records}) > 1:
+        text += "\n## Per prompt length\n\n" + markdown_table(by_length)
+        plot(by_length, out)
+    if comparisons:
+        text += "\n## At equal bytes (baselines interpolated linearly in effective bits)\n\n" + comparison_table(comparisons)
+    (out / "results.md").write_text(text)
     plot(rows, out)
     return payload
