@@ -471,7 +471,7 @@ class HqeKVLayer(CacheLayerMixin):
         score_k = importance.chunk_scores(metric_k[:, : c * g], g)
         score_v = importance.chunk_scores(metric_v[:, : c * g], g)
         if self.config.importance == "random":
-            score_k, score_v = importance.random_scores(score_k.shape, self.layer_idx or 0, int(self.n_chunks.sum()), self.device)
+            score_k, score_v = importance.random_scores(self.chunk_pos, self.layer_idx or 0)
         return keys, values, score_k, score_v
 
     def with_tiers(

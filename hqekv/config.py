@@ -157,8 +157,8 @@ class HqeKVConfig:
         bit); or "float16", "bfloat16", "float32".
     importance : {"attention", "random"}, default "attention"
         What ranks the chunks: the paper's window-attention metrics, or "random", a control
-        that keeps the tier counts and assigns chunks at random (seeded per layer), to
-        measure what the importance metric buys.
+        that keeps the tier counts and assigns chunks at random (a fixed hash of layer and
+        chunk, the same at every re-rank), to measure what the importance metric buys.
     ratios_source : str
         Where the ratios came from ("explicit", "artifact:<path>", "uncalibrated").
     """

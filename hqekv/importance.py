@@ -58,12 +58,17 @@ def chunk_scores(token_scores: torch.Tensor, chunk_size: int) -> torch.Tensor:
     return token_scores.reshape(b, n // chunk_size, chunk_size).mean(-1)
 
 
-def random_scores(shape: torch.Size, layer: int, step: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The control of the importance metric: independent uniform scores for K and V, (B, C) float32 each.
+def random_scores(chunk_pos: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The control of the importance metric: a fixed pseudo-random score per chunk, for K and for V.
 
-    Seeded by the layer and a step counter (chunks seen so far), so a run is reproducible and
-    every layer and re-rank draws its own order.
+    chunk_pos (B, C) int64 logical chunk indices -> score_k, score_v (B, C) float32 in [0, 1).
+    A hash of (layer, chunk index, component): the same chunk keeps its score at every
+    re-rank, so tiers move down as rarely as under the real metric and the control holds
+    the tier counts of the ratios, not a drift of re-drawn orders.
     """
-    generator = torch.Generator().manual_seed(1_000_003 * layer + step)
-    scores = torch.rand((2, *shape), generator=generator)
-    return scores[0].to(device), scores[1].to(device)
+    out = []
+    for salt in (0x9E3779B1, 0x85EBCA77):
+        h = (chunk_pos.clamp(min=0) * 0x2545F491 + layer * 0x27D4EB2F + salt) % (1 << 31)
+        h = (h ^ (h >> 13)) * 0x165667B1 % (1 << 31)
+        out.append((h ^ (h >> 16)).to(torch.float32) / float(1 << 31))
+    return out[0], out[1]

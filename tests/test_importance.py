@@ -51,3 +51,16 @@ def test_metrics_and_chunk_scores():
     assert torch.allclose(mk, torch.tensor([[0.6, 0.45, 0.55, 0.4]]))
     assert torch.allclose(mv, torch.tensor([[1.0, 0.7, 0.5, 0.0]]))
     assert torch.allclose(chunk_scores(mk, 2), torch.tensor([[0.525, 0.475]]))
+
+
+def test_random_scores_are_a_fixed_hash_of_layer_and_chunk():
+    """The control's scores do not change between re-ranks, differ between layers, K and V."""
+    from hqekv.importance import random_scores
+
+    pos = torch.arange(40)[None]
+    k, v = random_scores(pos, layer=2)
+    assert k.shape == v.shape == (1, 40) and ((k >= 0) & (k < 1)).all()
+    k_later, _ = random_scores(pos[:, 5:], layer=2)  # after evicting the first 5 chunks
+    assert torch.equal(k_later, k[:, 5:])
+    assert not torch.equal(k, v) and not torch.equal(random_scores(pos, layer=3)[0], k)
+    assert len(set(k.flatten().tolist())) == 40
