@@ -119,12 +119,13 @@ def test_fp16_and_all_fp16_hqekv_score_identically(run):
 
 
 def test_random_control_has_the_tier_counts_of_hqekv(run):
-    """random:B keeps hqekv:B's ratios and bytes; only which chunks go where differs."""
+    """random:B keeps hqekv:B's ratios; before any re-rank (a needle answer at 384 tokens) its
+    bytes too. Re-ranks during a continuation may then move different chunks down."""
     rows = {(r["task"], r["method"]): r for r in summarize(run)}
     for task in ("needle", "squad", "ppl"):
         hq, rnd = rows[(task, "hqekv:2")], rows[(task, "random:2")]
         assert rnd["ratios"] == hq["ratios"] and rnd["ratios_source"] == hq["ratios_source"]
-        assert rnd["effective_bits"] == pytest.approx(hq["effective_bits"], rel=0.02)
+    assert rows[("needle", "random:2")]["cache_bytes"] == rows[("needle", "hqekv:2")]["cache_bytes"]
 
 
 def test_quanto_anchor_counts_its_codes_and_residual(run):
