@@ -177,7 +177,10 @@ def test_shipped_artifacts_resolve_without_arguments(tmp_path, model, monkeypatc
 def test_shipped_artifacts_are_valid():
     for path in artifacts.shipped_artifacts():
         a = load_artifact(path)
-        assert a.metadata["trials"] >= 200 and artifacts.report_path(path).is_file()
+        report = json.loads(artifacts.report_path(path).read_text())
+        completed = [h for h in report["history"] if h["state"] == "COMPLETE"]
+        assert a.metadata["trials"] >= 40 and len(completed) == a.metadata["trials"]
+        assert a.metadata["kl_scale"] == "log" and a.metadata["value_group"] == 64
 
 
 def test_cli_info(saved, capsys):
