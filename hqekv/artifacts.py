@@ -1,6 +1,7 @@
 """Calibrated tier ratios as safetensors artifacts (SPEC §1.5, §2).
 
-One file per (model, bavg): a float64 tensor ``ratios`` = (fp16, δ1, δ2, δ3, δ4) and string
+One file per (model, bavg): a float64 tensor ``ratios`` = (fp16, δ1, δ2, δ3, δ4) (of the
+values, and of the keys unless an optional ``key_ratios`` tensor gives the keys' own) and string
 metadata (JSON-encoded values): model id and config fingerprint, bavg, the cache settings
 it was calibrated for (G, m, T, ...), α, β, trials, best loss, the calibration data and its
 hash, library and format versions. Artifacts are found as a file, a directory, a Hub repo
@@ -39,7 +40,12 @@ FINGERPRINT_FIELDS = (
 """Architecture fields that decide the K/V a model produces; the fingerprint hashes them."""
 
 MATCHED_SETTINGS = ("chunk_size", "window", "rerank_interval", "protected_chunks", "eviction", "value_group")
-"""Cache settings an artifact was calibrated for and must be used with."""
+"""Cache settings an artifact was calibrated for and must be used with.
+
+Not the rotation: ratios are shares of chunks per tier, valid in either basis, and the
+rotated cache with ratios searched unrotated measured better per byte than ratios searched
+rotated (``docs/results.md``, ablation). Artifacts record the basis they were searched in
+(``rotation``; absent: none)."""
 
 REQUIRED = (
     "format",
@@ -95,6 +101,7 @@ class Artifact:
     path: Path
     ratios: TierRatios
     metadata: dict
+    key_ratios: TierRatios | None = None
 
     @property
     def bavg(self) -> float:
@@ -109,6 +116,9 @@ class Artifact:
 
     def describe(self) -> str:
         lines = [f"{self.path}", f"  ratios: {self.ratios.describe()}  (bavg {self.ratios.bavg:.4g})"]
+        if self.key_ratios is not None:
+            lines[-1] = f"  value ratios: {self.ratios.describe()}  (bavg {self.ratios.bavg:.4g})"
+            lines.append(f"  key ratios: {self.key_ratios.describe()}  (bavg {self.key_ratios.bavg:.4g})")
         lines += [f"  {k}: {v}" for k, v in sorted(self.metadata.items())]
         return "\n".join(lines)
 
@@ -118,22 +128,36 @@ def artifact_filename(model_id: str, bavg: float) -> str:
     return f"{slug}-bavg{bavg:g}{SUFFIX}"
 
 
-def save_artifact(out: Path | str, ratios: TierRatios, metadata: dict) -> Path:
-    """Write an artifact; ``out`` is a directory (file named after model id and bavg) or a file path."""
+def _mean_bavg(ratios: TierRatios, key_ratios: TierRatios | None) -> float:
+    return ratios.bavg if key_ratios is None else (ratios.bavg + key_ratios.bavg) / 2
+
+
+def save_artifact(out: Path | str, ratios: TierRatios, metadata: dict, key_ratios: TierRatios | None = None) -> Path:
+    """Write an artifact; ``out`` is a directory (file named after model id and bavg) or a file path.
+
+    ``key_ratios``: the keys' own shares (``ratios`` are then the values'), stored as a
+    second tensor.
+    """
     from safetensors.torch import save_file
 
     ratios = TierRatios.coerce(ratios)
     meta = {"format": FORMAT, "format_version": FORMAT_VERSION, **metadata, "ratios": list(ratios.as_tuple())}
+    tensors = {"ratios": torch.tensor(ratios.as_tuple(), dtype=torch.float64)}
+    if key_ratios is not None:
+        key_ratios = TierRatios.coerce(key_ratios)
+        if abs(key_ratios.evict - ratios.evict) > 1e-4:
+            raise ArtifactError(f"key ratios evict {key_ratios.evict:.4g}, value ratios {ratios.evict:.4g}: they must be equal")
+        meta["key_ratios"] = list(key_ratios.as_tuple())
+        tensors["key_ratios"] = torch.tensor(key_ratios.as_tuple(), dtype=torch.float64)
     missing = [k for k in REQUIRED if k not in meta]
     if missing:
         raise ArtifactError(f"artifact metadata lacks {missing}")
-    if abs(float(meta["bavg"]) - ratios.bavg) > 1e-3:
-        raise ArtifactError(f"ratios give bavg {ratios.bavg:.4g}, metadata says {meta['bavg']}")
+    if abs(float(meta["bavg"]) - _mean_bavg(ratios, key_ratios)) > 1e-3:
+        raise ArtifactError(f"ratios give bavg {_mean_bavg(ratios, key_ratios):.4g}, metadata says {meta['bavg']}")
     out = Path(out)
     path = out if out.suffix == SUFFIX else out / artifact_filename(str(meta["model_id"]), float(meta["bavg"]))
     path.parent.mkdir(parents=True, exist_ok=True)
-    tensor = torch.tensor(ratios.as_tuple(), dtype=torch.float64)
-    save_file({"ratios": tensor}, str(path), metadata={k: json.dumps(v) for k, v in meta.items()})
+    save_file(tensors, str(path), metadata={k: json.dumps(v) for k, v in meta.items()})
     return path
 
 
@@ -148,6 +172,7 @@ def load_artifact(path: Path | str) -> Artifact:
         with safe_open(str(path), framework="pt") as f:
             raw = f.metadata() or {}
             tensor = f.get_tensor("ratios") if "ratios" in f.keys() else None
+            key_tensor = f.get_tensor("key_ratios") if "key_ratios" in f.keys() else None
     except Exception as err:  # safetensors raises its own error types for bad headers and truncation
         raise ArtifactError(f"{path} is not a readable safetensors file (corrupt or truncated?): {err}") from err
     try:
@@ -163,18 +188,27 @@ def load_artifact(path: Path | str) -> Artifact:
     missing = [k for k in REQUIRED if k not in meta]
     if missing:
         raise ArtifactError(f"{path}: metadata lacks {missing}")
-    if tensor is None or tensor.shape != (5,) or tensor.dtype != torch.float64:
-        raise ArtifactError(f"{path}: expected a float64 tensor 'ratios' of 5 entries")
-    values = tuple(tensor.tolist())
-    if list(values) != meta.get("ratios"):
-        raise ArtifactError(f"{path}: ratios tensor {values} disagrees with its metadata {meta.get('ratios')}: corrupt")
-    try:
-        ratios = TierRatios(*values)
-    except ValueError as err:
-        raise ArtifactError(f"{path}: invalid ratios ({err})") from err
-    if abs(ratios.bavg - float(meta["bavg"])) > 1e-3:
-        raise ArtifactError(f"{path}: ratios give bavg {ratios.bavg:.4g} but the artifact is for bavg {meta['bavg']}")
-    return Artifact(path, ratios, meta)
+    def read_ratios(name: str, tensor) -> TierRatios:
+        if tensor is None or tensor.shape != (5,) or tensor.dtype != torch.float64:
+            raise ArtifactError(f"{path}: expected a float64 tensor {name!r} of 5 entries")
+        values = tuple(tensor.tolist())
+        if list(values) != meta.get(name):
+            raise ArtifactError(f"{path}: {name} tensor {values} disagrees with its metadata {meta.get(name)}: corrupt")
+        try:
+            return TierRatios(*values)
+        except ValueError as err:
+            raise ArtifactError(f"{path}: invalid {name} ({err})") from err
+
+    ratios = read_ratios("ratios", tensor)
+    key_ratios = None
+    if key_tensor is not None or "key_ratios" in meta:
+        key_ratios = read_ratios("key_ratios", key_tensor)
+        if abs(key_ratios.evict - ratios.evict) > 1e-4:
+            raise ArtifactError(f"{path}: key ratios evict {key_ratios.evict:.4g}, value ratios {ratios.evict:.4g}: corrupt")
+    mean = _mean_bavg(ratios, key_ratios)
+    if abs(mean - float(meta["bavg"])) > 1e-3:
+        raise ArtifactError(f"{path}: ratios give bavg {mean:.4g} but the artifact is for bavg {meta['bavg']}")
+    return Artifact(path, ratios, meta, key_ratios)
 
 
 def check_artifact(artifact: Artifact, fingerprint: str, bavg: float | None, settings: dict) -> None:
@@ -186,7 +220,8 @@ def check_artifact(artifact: Artifact, fingerprint: str, bavg: float | None, set
         )
     if bavg is not None and abs(artifact.bavg - bavg) > 1e-6:
         raise ArtifactError(f"{artifact.path} is for bavg={artifact.bavg:g}, not bavg={bavg:g}")
-    wrong = {k: (artifact.metadata[k], settings[k]) for k in MATCHED_SETTINGS if k in settings and artifact.metadata[k] != settings[k]}
+    made_with = artifact.settings()
+    wrong = {k: (made_with[k], settings[k]) for k in MATCHED_SETTINGS if k in settings and made_with[k] != settings[k]}
     if wrong:
         detail = ", ".join(f"{k}: artifact {a!r} vs {b!r}" for k, (a, b) in wrong.items())
         raise ArtifactError(f"{artifact.path} was calibrated with other cache settings ({detail})")
@@ -322,7 +357,9 @@ def model_card(artifacts: Iterable[Artifact], repo_id: str) -> str:
     for a in artifacts:
         lines += [f"## `{a.path.name}`", "", "| field | value |", "|---|---|"]
         lines.append(f"| ratios (fp16, δ1..δ4) | {', '.join(f'{r:.4f}' for r in a.ratios.as_tuple())} |")
-        lines += [f"| {k} | {v} |" for k, v in sorted(a.metadata.items()) if k != "ratios"]
+        if a.key_ratios is not None:
+            lines.append(f"| key ratios (fp16, δ1..δ4) | {', '.join(f'{r:.4f}' for r in a.key_ratios.as_tuple())} |")
+        lines += [f"| {k} | {v} |" for k, v in sorted(a.metadata.items()) if k not in ("ratios", "key_ratios")]
         lines.append("")
     return "\n".join(lines)
 

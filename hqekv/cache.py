@@ -13,6 +13,11 @@ One :class:`HqeKVLayer` per attention layer holds *all* request state of that la
 - the FP16 tail (B, Hkv, G, D) of the newest ``len % G`` tokens of each sequence.
 - the window of the last m queries (after RoPE) that re-ranking scores importance with.
 
+With ``config.rotation`` set, everything above is stored in a rotated basis: keys, values
+and window queries are multiplied by one orthogonal (D, D) matrix R before they are cached
+(:mod:`hqekv.rotation`), queries by R before attention, and the output by Rᵀ after it, so
+attention is unchanged and only the quantizers see rotated vectors.
+
 Positions stay absolute (keys are cached after RoPE): the cache reports the logical
 length to the model, and attention runs over the physical tokens.
 
@@ -38,6 +43,7 @@ from .quantization import (
     NORMALIZED,
     UNIFORM,
 )
+from .rotation import rotate, rotation_matrix, unrotate
 
 
 @dataclass(frozen=True)
@@ -150,6 +156,7 @@ class HqeKVLayer(CacheLayerMixin):
         self.device, self.dtype = key_states.device, key_states.dtype
         self.meta_dtype = cfg.resolve_metadata_dtype(self.dtype)
         self.fp_dtype = cfg.resolve_fp_dtype(self.dtype)  # FP16 chunks, tail, window queries
+        self.rotation = rotation_matrix(cfg.rotation, d, self.device)  # (D, D) float32 or None
         self.value_group = min(cfg.value_group, d)
         if d % self.value_group:
             raise ValueError(f"head dim {d} is not a multiple of the value channel group {self.value_group}")
@@ -252,22 +259,24 @@ class HqeKVLayer(CacheLayerMixin):
                 f"{self.num_kv_heads} KV heads, head dim {self.head_dim}"
             )
         self.scaling = scaling
+        if not self.has_tokens and not self.is_initialized:
+            self._initialize(query, key, value)
+        r = self.rotation
+        q_r, k_r, v_r = rotate(query, r), rotate(key, r), rotate(value, r)  # the cache's basis
         if not self.has_tokens:
-            if not self.is_initialized:
-                self._initialize(query, key, value)
             if dense_attention is not None:
-                out = dense_attention(query, key, value)
+                out = dense_attention(query, key, value)  # unrotated: exactly the unpatched prefill
             else:
-                out = self._mixed_attention(query, key, value, new_valid)
-            self._store(query, key, value, new_valid)
+                out = unrotate(self._mixed_attention(q_r, k_r, v_r, new_valid), r)
+            self._store(q_r, k_r, v_r, new_valid)
             return out
         if not torch.compiler.is_compiling():
             self.maintain()
-        out = self._mixed_attention(query, key, value, new_valid)
+        out = unrotate(self._mixed_attention(q_r, k_r, v_r, new_valid), r)
         if s == 1:
-            self._store_decode_token(query, key, value, new_valid)
+            self._store_decode_token(q_r, k_r, v_r, new_valid)
         else:
-            self._store(query, key, value, new_valid)
+            self._store(q_r, k_r, v_r, new_valid)
         return out
 
     @torch.compiler.disable
@@ -368,6 +377,8 @@ class HqeKVLayer(CacheLayerMixin):
         self, new_keys: torch.Tensor | None = None, new_values: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The kept tokens, dequantized: chunks, then the tail, then ``new_*`` (B, H, S, D) if given.
+
+        In the cache's basis: rotated when ``config.rotation`` is set (``new_*`` must be too).
 
         -> keys, values (B, H, C·G + G + S, D) model dtype, positions (B, C·G + G) int64 (index
         of each cached token within its sequence), valid (B, C·G + G) bool.
@@ -543,6 +554,7 @@ class HqeKVLayer(CacheLayerMixin):
             eviction=cfg.eviction,
             fp16_k=self.k_tier == FP16,
             fp16_v=self.v_tier == FP16,
+            key_ratios=cfg.key_ratios,
         )
         here = rows[:, None] & chunk_valid
         new_k = torch.where(here, torch.maximum(self.k_tier, prop_k), self.k_tier)
@@ -603,7 +615,10 @@ class HqeKVLayer(CacheLayerMixin):
     # --- accounting ----------------------------------------------------------------------------
 
     def storage(self) -> dict[str, int]:
-        """Real bytes of everything this layer stores, by part."""
+        """Real bytes of everything this layer stores, by part.
+
+        The rotation matrix is not counted: one constant shared by every layer and cache.
+        """
         if not self.is_initialized:
             return {}
         out = {}

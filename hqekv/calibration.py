@@ -40,8 +40,11 @@ DEFAULT_SEGMENTS = 4
 CONTINUATION_TOKENS = 128
 CACHE_SETTINGS = (
     "chunk_size", "window", "rerank_interval", "protected_chunks", "eviction", "value_group", "metadata_dtype", "fp_dtype",
+    "rotation",
 )  # fmt: skip
 """HqeKVConfig fields a calibration is made for (everything but the ratios)."""
+SEARCH_ROTATION = None
+"""The basis :func:`calibrate` searches in unless told: unrotated (``docs/calibration.md`` §4)."""
 
 
 def ratios_from_free(bavg: float, x3: float, x4: float) -> TierRatios | None:
@@ -55,6 +58,42 @@ def ratios_from_free(bavg: float, x3: float, x4: float) -> TierRatios | None:
     if d1 < 0 or d2 < 0 or x3 < 0 or x4 < 0:
         return None
     return TierRatios(int4=d1, int2=d2, int1=x3, evict=x4)
+
+
+def one_bit_range(bavg: float, x4: float) -> tuple[float, float] | None:
+    """The 1-bit shares x3 for which budget ``bavg`` with evicted share ``x4`` is feasible
+    (δ1 ≥ 0 and δ2 ≥ 0 in :func:`ratios_from_free`), as (lowest, highest); None if none is."""
+    lo = max(0.0, 2 - bavg - 2 * x4)
+    hi = (4 - bavg - 4 * x4) / 3
+    return (lo, hi) if hi >= lo else None
+
+
+def split_ratios_from_free(
+    bavg: float, shift: float, u3k: float, u3v: float, x4: float
+) -> tuple[TierRatios, TierRatios] | None:
+    """(key ratios, value ratios) for budgets bavg + shift (keys) and bavg − shift (values).
+
+    The evicted share x4 is shared (one evicted set); each component's 1-bit share is the
+    fraction ``u3k`` / ``u3v`` in [0, 1] of its feasible range (:func:`one_bit_range`), and
+    its δ1, δ2 follow as in :func:`ratios_from_free`. None when x4 is infeasible for either
+    budget. The mean code bits per element is bavg whatever the shift.
+    """
+    out = []
+    for budget, u in ((bavg + shift, u3k), (bavg - shift, u3v)):
+        span = one_bit_range(budget, x4)
+        if span is None:
+            return None
+        ratios = ratios_from_free(budget, span[0] + u * (span[1] - span[0]), x4)
+        if ratios is None:  # a rounding error at the edge of the range
+            return None
+        out.append(ratios)
+    return out[0], out[1]
+
+
+def shift_box(bavg: float) -> float:
+    """Largest |shift| of the key/value budget split for which some evicted share is feasible
+    for both budgets: |shift| ≤ 0.6·bavg and ≤ 4 − bavg."""
+    return min(0.6 * bavg, 4 - bavg)
 
 
 def search_box(bavg: float) -> tuple[float, float]:
@@ -177,8 +216,9 @@ class CompressionObjective:
     def n_chunks(self) -> int:
         return self.base.layers[0].chunk_pos.shape[1]
 
-    def tiers(self, ratios: TierRatios) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """K and V tier (1, C) of each chunk of each layer right after the prefill, under ``ratios``."""
+    def tiers(self, ratios: TierRatios, key_ratios: TierRatios | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """K and V tier (1, C) of each chunk of each layer right after the prefill, under
+        ``ratios`` (and the keys under ``key_ratios`` when given)."""
         out = []
         for layer, (score_k, score_v) in zip(self.base.layers, self.scores):
             valid = layer.chunk_pos >= 0
@@ -194,33 +234,37 @@ class CompressionObjective:
                     eviction=self.config.eviction,
                     fp16_k=valid,
                     fp16_v=valid,
+                    key_ratios=key_ratios,
                 )
             )
         return out
 
-    def compressed_cache(self, ratios: TierRatios) -> HqeKVCache:
-        """A cache holding the context as ``ratios`` would compress it: the chunks' codes, per tier."""
+    def compressed_cache(self, ratios: TierRatios, key_ratios: TierRatios | None = None) -> HqeKVCache:
+        """A cache holding the context as ``ratios`` (``key_ratios``) would compress it: the chunks' codes, per tier."""
         ratios = TierRatios.coerce(ratios)
+        key_ratios = None if key_ratios is None else TierRatios.coerce(key_ratios)
         cache = HqeKVCache(self._trial_config, len(self.base.layers))
         for i, (layer, (k_tier, v_tier), (k_encoded, v_encoded)) in enumerate(
-            zip(self.base.layers, self.tiers(ratios), self.encoded)
+            zip(self.base.layers, self.tiers(ratios, key_ratios), self.encoded)
         ):
             cache.layers[i] = layer.with_tiers(self._trial_config, k_tier, v_tier, k_encoded, v_encoded)
         return cache
 
-    def _log_probs(self, ratios: TierRatios) -> torch.Tensor:
-        cache = self.compressed_cache(ratios)
+    def _log_probs(self, ratios: TierRatios, key_ratios: TierRatios | None = None) -> torch.Tensor:
+        cache = self.compressed_cache(ratios, key_ratios)
         with _patched(self.model, self.settings), torch.no_grad():
             logits = self.model(self.continuation, cache=cache, use_cache=True).logits
         return torch.log_softmax(logits[0].float(), dim=-1)
 
-    def kl(self, ratios: TierRatios | Sequence[float] | dict) -> float:
+    def kl(self, ratios: TierRatios | Sequence[float] | dict, key_ratios=None) -> float:
         """Mean KL(FP16 ‖ compressed) of the next-token distributions at the same positions.
+
+        ``key_ratios``: the keys' own tier shares (``ratios`` are then the values').
 
         fix: both distributions are taken at the same continuation positions (the reference
         code compares position t with t+1).
         """
-        kl = mean_kl(self.reference, self._log_probs(TierRatios.coerce(ratios)))
+        kl = mean_kl(self.reference, self._log_probs(TierRatios.coerce(ratios), key_ratios))
         if not math.isfinite(kl):
             raise FloatingPointError("the compressed model produced non-finite logits on the calibration text")
         return kl
@@ -268,13 +312,13 @@ class SegmentedObjective:
         self.settings, self.config = self.parts[0].settings, self.parts[0].config
         self.setup_seconds = sum(p.setup_seconds for p in self.parts)
 
-    def kls(self, ratios) -> list[float]:
+    def kls(self, ratios, key_ratios=None) -> list[float]:
         """Mean KL of each segment's continuation."""
-        return [part.kl(ratios) for part in self.parts]
+        return [part.kl(ratios, key_ratios) for part in self.parts]
 
-    def kl(self, ratios) -> float:
+    def kl(self, ratios, key_ratios=None) -> float:
         """Mean KL over the segments."""
-        return statistics.fmean(self.kls(ratios))
+        return statistics.fmean(self.kls(ratios, key_ratios))
 
 
 def reference_style_kl(model, context: torch.Tensor, continuation: torch.Tensor, ratios, **settings) -> float:
@@ -308,14 +352,16 @@ class CalibrationResult:
     best_loss: float
     best_kl: float
     trials: int
-    history: list[dict] = field(default_factory=list)  # number, x3, x4, loss, kl, kls (per segment), state, seconds
+    history: list[dict] = field(default_factory=list)  # number, params, loss, kl, kls (per segment), state, seconds
     metadata: dict = field(default_factory=dict)
     path: Path | None = None
+    key_ratios: TierRatios | None = None  # the keys' own shares (asymmetric search); ``ratios`` are the values'
 
     def report(self) -> dict:
         return {
             "bavg": self.bavg,
             "ratios": dict(zip(TierRatios.names(), self.ratios.as_tuple())),
+            "key_ratios": None if self.key_ratios is None else dict(zip(TierRatios.names(), self.key_ratios.as_tuple())),
             "best_loss": self.best_loss,
             "best_kl": self.best_kl,
             "trials": self.trials,
@@ -324,11 +370,15 @@ class CalibrationResult:
         }
 
 
-def study_name(fingerprint: str, bavg: float, settings: dict, seed: int, kl_scale: str = "log") -> str:
+def study_name(
+    fingerprint: str, bavg: float, settings: dict, seed: int, kl_scale: str = "log", asymmetric: bool = False
+) -> str:
     """Deterministic, so that re-running the same calibration continues the same study."""
     parts = [f"{k}={settings[k]}" for k in CACHE_SETTINGS if k in settings and settings[k] is not None]
     if kl_scale != "log":
         parts.append(f"kl_scale={kl_scale}")
+    if asymmetric:
+        parts.append("asymmetric")
     return f"hqekv-{fingerprint[:16]}-bavg{bavg:g}-seed{seed}" + ("-" + ",".join(parts) if parts else "")
 
 
@@ -345,12 +395,19 @@ def run_study(
     kl_scale: str = "log",
     progress: bool = True,
     worker: int = 0,
+    asymmetric: bool = False,
 ) -> CalibrationResult:
     """Run (or continue) one TPE study until it holds ``trials`` completed trials.
 
     ``objective``: a :class:`CompressionObjective` (``kl``) or :class:`SegmentedObjective`
     (``kls``, one KL per segment); a trial's loss is the mean data term over the segments
-    plus α·δ3 + β·δ4. Infeasible samples (δ1 < 0 or δ2 < 0) are pruned without running the model. Several
+    plus α·δ3 + β·δ4 (δ3 the mean of the key and value 1-bit shares).
+
+    ``asymmetric``: search keys and values apart: four variables, the key/value budget
+    split ``shift`` (keys bavg + shift, values bavg − shift), the shared evicted share and
+    each component's 1-bit share as a fraction of its feasible range
+    (:func:`split_ratios_from_free`). False (default): the paper's two
+    (δ3, δ4), one set of ratios for both. Infeasible samples (δ1 < 0 or δ2 < 0) are pruned without running the model. Several
     processes may run this on one RDB ``storage``; each stops once the study is complete.
     The sampler is seeded with ``seed + worker`` so that workers propose different trials.
     """
@@ -371,7 +428,7 @@ def run_study(
         direction="minimize",
         sampler=optuna.samplers.TPESampler(seed=seed + worker),
     )
-    for key, value in (("bavg", bavg), ("alpha", alpha), ("beta", beta), ("kl_scale", kl_scale)):
+    for key, value in (("bavg", bavg), ("alpha", alpha), ("beta", beta), ("kl_scale", kl_scale), ("asymmetric", asymmetric)):
         stored = study.user_attrs.get(key)
         if stored is not None and stored != value:
             raise ValueError(f"study {name!r} in {storage} was run with {key}={stored!r}, not {value!r}")
@@ -381,13 +438,26 @@ def run_study(
         return len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
 
     def evaluate(trial) -> float:
-        x3 = trial.suggest_float("x3", 0.0, hi3)
-        x4 = trial.suggest_float("x4", 0.0, hi4)
-        ratios = ratios_from_free(bavg, x3, x4)
-        if ratios is None:
-            raise optuna.TrialPruned("infeasible: δ1 < 0 or δ2 < 0")
+        if asymmetric:
+            shift = trial.suggest_float("shift", -shift_box(bavg), shift_box(bavg))
+            u3k = trial.suggest_float("u3k", 0.0, 1.0)
+            u3v = trial.suggest_float("u3v", 0.0, 1.0)
+            x4 = trial.suggest_float("x4", 0.0, hi4)
+            pair = split_ratios_from_free(bavg, shift, u3k, u3v, x4)
+            if pair is None:
+                raise optuna.TrialPruned("infeasible: no 1-bit share makes δ1, δ2 ≥ 0 for keys or values")
+            key_ratios, ratios = pair
+            x3 = (key_ratios.int1 + ratios.int1) / 2
+            trial.set_user_attr("x3k", key_ratios.int1)
+            trial.set_user_attr("x3v", ratios.int1)
+        else:
+            x3 = trial.suggest_float("x3", 0.0, hi3)
+            x4 = trial.suggest_float("x4", 0.0, hi4)
+            ratios, key_ratios = ratios_from_free(bavg, x3, x4), None
+            if ratios is None:
+                raise optuna.TrialPruned("infeasible: δ1 < 0 or δ2 < 0")
         start = time.perf_counter()
-        kls = objective.kls(ratios) if hasattr(objective, "kls") else [objective.kl(ratios)]
+        kls = objective.kls(ratios, key_ratios) if hasattr(objective, "kls") else [objective.kl(ratios, key_ratios)]
         trial.set_user_attr("kl", statistics.fmean(kls))
         if len(kls) > 1:
             trial.set_user_attr("kls", kls)
@@ -426,8 +496,8 @@ def _result(study, bavg: float) -> CalibrationResult:
             {
                 "number": t.number,
                 "state": t.state.name,
-                "x3": t.params.get("x3"),
-                "x4": t.params.get("x4"),
+                **{name: t.params.get(name) for name in ("x3", "x4", "shift", "u3k", "u3v") if name in t.params},
+                **{name: t.user_attrs[name] for name in ("x3k", "x3v") if name in t.user_attrs},
                 "loss": t.value,
                 "kl": t.user_attrs.get("kl"),
                 "kls": t.user_attrs.get("kls"),
@@ -438,10 +508,15 @@ def _result(study, bavg: float) -> CalibrationResult:
     if not complete:
         raise RuntimeError(f"study {study.study_name!r} has no completed trial")
     best = min(complete, key=lambda t: t.value)
-    ratios = ratios_from_free(bavg, best.params["x3"], best.params["x4"])
+    p = best.params
+    if "shift" in p:
+        key_ratios, ratios = split_ratios_from_free(bavg, p["shift"], p["u3k"], p["u3v"], p["x4"])
+    else:
+        key_ratios, ratios = None, ratios_from_free(bavg, p["x3"], p["x4"])
     return CalibrationResult(
         bavg=bavg,
         ratios=ratios,
+        key_ratios=key_ratios,
         best_loss=float(best.value),
         best_kl=float(best.user_attrs["kl"]),
         trials=len(complete),
@@ -464,6 +539,7 @@ def calibrate(
     alpha: float = ALPHA,
     beta: float = BETA,
     kl_scale: str = "log",
+    asymmetric: bool = False,
     model_id: str | None = None,
     progress: bool = True,
     barrier=None,
@@ -498,6 +574,10 @@ def calibrate(
     kl_scale : {"log", "linear"}, default "log"
         Data term: ln of the mean KL, on which α, β are tie-breakers (:func:`data_term`), or
         the mean KL itself (the paper's scale, under which the regulariser decides alone).
+    asymmetric : bool, default False
+        Search separate key and value ratios under the one budget (:func:`run_study`).
+        False searches one set for both, as the paper does; on SmolLM2 the separate search
+        did not win at equal bytes (``docs/results.md``, ablation).
     model_id : str, optional
         Recorded in the artifact; defaults to the model's ``name_or_path``.
     barrier : callable, optional
@@ -506,6 +586,8 @@ def calibrate(
         back from the storage, so that it covers every worker's trials. Give ``out`` to one
         worker only, and each its own ``worker`` index (it offsets the sampler seed).
     **settings : HqeKVConfig fields other than the ratios (chunk_size, window, ...)
+        ``rotation`` defaults to None here: the search runs in the unrotated basis, whose
+        ratios measured better per byte in the rotated cache too (``docs/calibration.md``).
 
     Returns one :class:`CalibrationResult` per bavg (a list if ``bavg`` is a sequence).
     """
@@ -522,16 +604,17 @@ def calibrate(
         search_box(b)
     context_tokens = context_length(model, context_tokens, continuation_tokens, segments)
     text = calibration_text(tokenizer, context_tokens, continuation_tokens, segments)
+    settings.setdefault("rotation", SEARCH_ROTATION)
     objective = SegmentedObjective(model, text.context, text.continuation, **settings)
     fingerprint = model_fingerprint(model)
     config = objective.config
     results = []
     for b in values:
-        name = study_name(fingerprint, b, objective.settings, seed, kl_scale)
+        name = study_name(fingerprint, b, objective.settings, seed, kl_scale, asymmetric)
         start = time.perf_counter()
         result = run_study(
             objective, b, trials=trials, storage=storage, name=name, seed=seed, alpha=alpha, beta=beta,
-            kl_scale=kl_scale, progress=progress, worker=worker,
+            kl_scale=kl_scale, progress=progress, worker=worker, asymmetric=asymmetric,
         )
         if barrier is not None:
             barrier()
@@ -547,6 +630,10 @@ def calibrate(
             "protected_chunks": config.protected_chunks,
             "eviction": config.eviction,
             "value_group": config.value_group,
+            "rotation": config.rotation,
+            "metadata_dtype": config.metadata_dtype,
+            "fp_dtype": config.fp_dtype,
+            "asymmetric": asymmetric,
             "alpha": alpha,
             "beta": beta,
             "kl_scale": kl_scale,
@@ -565,7 +652,7 @@ def calibrate(
             "study_seconds": round(time.perf_counter() - start, 3),
         }
         if out is not None:
-            result.path = save_artifact(Path(out), result.ratios, result.metadata)
+            result.path = save_artifact(Path(out), result.ratios, result.metadata, key_ratios=result.key_ratios)
             write_report(result)
         results.append(result)
     return results[0] if single else results

@@ -63,6 +63,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--kl-scale", choices=KL_SCALES, default="log",
         help="data term: ln(KL) (default; α, β are tie-breakers) or the KL itself (the paper's scale)",
     )  # fmt: skip
+    p.add_argument(
+        "--rotation", choices=("none", "hadamard"), default="none",
+        help="basis the search runs in (default none: its ratios measured better, and apply rotated too)",
+    )  # fmt: skip
+    p.add_argument(
+        "--asymmetric", action="store_true",
+        help="search key and value ratios apart under the one budget (default: one set for both, as the paper)",
+    )  # fmt: skip
     p.add_argument("--threads", type=int, help="torch CPU threads")
     p.add_argument("--no-progress", action="store_true")
     _add_settings_args(p)
@@ -114,6 +122,8 @@ def run_calibration(args, model, tokenizer, model_id: str, *, write: bool = True
         alpha=args.alpha,
         beta=args.beta,
         kl_scale=args.kl_scale,
+        asymmetric=args.asymmetric,
+        rotation=None if args.rotation == "none" else args.rotation,
         model_id=args.model_id or model_id,
         progress=progress and not args.no_progress,
         **workers,
@@ -123,7 +133,8 @@ def run_calibration(args, model, tokenizer, model_id: str, *, write: bool = True
 
 def print_calibration(results) -> None:
     for r in results:
-        print(f"bavg={r.bavg:g}: {r.ratios.describe()}  best loss {r.best_loss:.5f} (KL {r.best_kl:.5f}), "
+        ratios = r.ratios.describe() if r.key_ratios is None else f"keys {r.key_ratios.describe()}; values {r.ratios.describe()}"
+        print(f"bavg={r.bavg:g}: {ratios}  best loss {r.best_loss:.5f} (KL {r.best_kl:.5f}), "
               f"{r.trials} trials -> {r.path}")
 
 

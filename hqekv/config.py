@@ -17,6 +17,9 @@ EVICTION_CRITERIA = ("joint", "key", "value")
 FP_DTYPES = (None, "model", "float16", "bfloat16", "float32")
 """Choices of HqeKVConfig.fp_dtype: None (16-bit whatever the model dtype), "model", or a dtype name."""
 
+ROTATIONS = (None, "hadamard")
+"""Choices of HqeKVConfig.rotation: None (the paper: no rotation) or "hadamard"."""
+
 IMPORTANCE_KINDS = ("attention", "random")
 """attention: the paper's metrics (§3.2); random: the control that isolates them."""
 
@@ -130,9 +133,14 @@ class HqeKVConfig:
     Parameters
     ----------
     ratios : TierRatios
-        Shares of chunks per tier.
+        Shares of chunks per tier: of the values, and of the keys unless ``key_ratios``.
     bavg : float
-        Target average code bits per element; equals ``ratios.bavg``.
+        Target average code bits per element: ``ratios.bavg``, or the mean of the key and
+        value budgets with ``key_ratios``.
+    key_ratios : TierRatios, optional
+        Shares of the key tiers when keys get another budget than values (keys are the
+        more sensitive half). A chunk is evicted as a whole, so the evicted share must equal
+        ``ratios.evict``. None: keys and values share ``ratios`` (the paper).
     chunk_size : int, default 32
         G, tokens per chunk; also the FP16 tail capacity.
     window : int, default 20
@@ -155,6 +163,14 @@ class HqeKVConfig:
         element costs 16 bits whatever the model dtype (SPEC §1.1); "model" keeps the
         model dtype (an fp32 model's FP16 tier then reproduces the unpatched model bit for
         bit); or "float16", "bfloat16", "float32".
+    rotation : {"hadamard", None}, default "hadamard"
+        An orthogonal basis change of every head's keys, queries and values before they are
+        cached: a normalized Hadamard matrix (block-diagonal over the largest power of two
+        that divides the head dim). Scores q·k are unchanged, and the attention output is
+        rotated back, so only the quantization error changes: outlier channels stop owning
+        their groups' range and the low-bit tiers lose less (``docs/results.md``, ablation).
+        None is the paper's setting and, with ``fp_dtype="model"`` and all-FP16 ratios,
+        reproduces the unpatched model bit for bit.
     importance : {"attention", "random"}, default "attention"
         What ranks the chunks: the paper's window-attention metrics, or "random", a control
         that keeps the tier counts and assigns chunks at random (a fixed hash of layer and
@@ -165,6 +181,7 @@ class HqeKVConfig:
 
     ratios: TierRatios
     bavg: float
+    key_ratios: TierRatios | None = None
     chunk_size: int = 32
     window: int = 20
     rerank_interval: int = 32
@@ -173,6 +190,7 @@ class HqeKVConfig:
     value_group: int = 64
     metadata_dtype: str | None = None
     fp_dtype: str | None = None
+    rotation: str | None = "hadamard"
     importance: str = "attention"
     ratios_source: str = "explicit"
     version: int = field(default=CONFIG_VERSION)
@@ -180,11 +198,21 @@ class HqeKVConfig:
     def __post_init__(self):
         if not isinstance(self.ratios, TierRatios):
             object.__setattr__(self, "ratios", TierRatios.coerce(self.ratios))
+        if self.key_ratios is not None and not isinstance(self.key_ratios, TierRatios):
+            object.__setattr__(self, "key_ratios", TierRatios.coerce(self.key_ratios))
         object.__setattr__(self, "bavg", check_bavg(self.bavg))
-        if abs(self.ratios.bavg - self.bavg) > 1e-3:
+        if self.key_ratios is not None and abs(self.key_ratios.evict - self.ratios.evict) > RATIO_TOLERANCE:
             raise ValueError(
-                f"ratios give {self.ratios.bavg:.4g} bits per element (SPEC eq. 6: "
-                f"16·fp16 + 4·d4 + 2·d2 + d1) but bavg={self.bavg:g}; ({self.ratios.describe()})"
+                f"key_ratios evict {self.key_ratios.evict:.4g} of the chunks but ratios {self.ratios.evict:.4g}: "
+                "a chunk is evicted with its key and its value, so the evicted shares must be equal"
+            )
+        if abs(self.code_bavg - self.bavg) > 1e-3:
+            what = f"ratios ({self.ratios.describe()})"
+            if self.key_ratios is not None:
+                what = f"keys ({self.key_ratios.describe()}) and values ({self.ratios.describe()}) on average"
+            raise ValueError(
+                f"{what} give {self.code_bavg:.4g} bits per element (SPEC eq. 6: "
+                f"16·fp16 + 4·d4 + 2·d2 + d1) but bavg={self.bavg:g}"
             )
         for name in ("chunk_size", "window", "rerank_interval", "value_group"):
             value = getattr(self, name)
@@ -204,8 +232,25 @@ class HqeKVConfig:
             raise ValueError(f"metadata_dtype must be None, 'float16', 'bfloat16' or 'float32', got {self.metadata_dtype!r}")
         if self.importance not in IMPORTANCE_KINDS:
             raise ValueError(f"importance must be one of {IMPORTANCE_KINDS}, got {self.importance!r}")
+        if self.rotation not in ROTATIONS:
+            raise ValueError(f"rotation must be one of {ROTATIONS}, got {self.rotation!r}")
         if self.fp_dtype not in FP_DTYPES:
             raise ValueError(f"fp_dtype must be one of {FP_DTYPES}, got {self.fp_dtype!r}")
+
+    @property
+    def k_ratios(self) -> TierRatios:
+        """Tier shares of the keys."""
+        return self.ratios if self.key_ratios is None else self.key_ratios
+
+    @property
+    def code_bavg(self) -> float:
+        """Average code bits per element the ratios give, keys and values together."""
+        return (self.k_ratios.bavg + self.ratios.bavg) / 2
+
+    def describe_ratios(self) -> str:
+        if self.key_ratios is None:
+            return self.ratios.describe()
+        return f"keys {self.key_ratios.describe()}; values {self.ratios.describe()}"
 
     def resolve_metadata_dtype(self, kv_dtype: torch.dtype) -> torch.dtype:
         if self.metadata_dtype is not None:
@@ -223,6 +268,8 @@ class HqeKVConfig:
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d["ratios"] = dict(zip(TierRatios.names(), self.ratios.as_tuple()))
+        if self.key_ratios is not None:
+            d["key_ratios"] = dict(zip(TierRatios.names(), self.key_ratios.as_tuple()))
         return d
 
     @classmethod
@@ -232,4 +279,6 @@ class HqeKVConfig:
         if version != CONFIG_VERSION:
             raise ValueError(f"unsupported HqeKVConfig version {version}; this library reads version {CONFIG_VERSION}")
         d["ratios"] = TierRatios.coerce(d["ratios"])
+        if d.get("key_ratios") is not None:
+            d["key_ratios"] = TierRatios.coerce(d["key_ratios"])
         return cls(**d)

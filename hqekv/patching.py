@@ -62,19 +62,25 @@ def _check_causal_lm(model) -> None:
         raise TypeError(f"patch_model supports decoder-only causal LMs, got encoder-decoder {type(model).__name__}")
 
 
-def resolve_config(model, bavg=None, ratios=None, artifact=None, **settings) -> HqeKVConfig:
-    """Ratios in order (SPEC §2): explicit ``ratios``; ``artifact`` (file, directory or Hub repo
-    id); an artifact shipped in the package for this model and bavg; else the documented
-    uncalibrated fallback, with an :class:`UncalibratedRatiosWarning`."""
+def resolve_config(model, bavg=None, ratios=None, artifact=None, key_ratios=None, **settings) -> HqeKVConfig:
+    """Ratios in order (SPEC §2): explicit ``ratios`` (and ``key_ratios``); ``artifact`` (file,
+    directory or Hub repo id); an artifact shipped in the package for this model and bavg;
+    else the documented uncalibrated fallback, with an :class:`UncalibratedRatiosWarning`."""
     from . import artifacts
 
     if bavg is not None:
         bavg = check_bavg(bavg)
     if ratios is not None and artifact is not None:
         raise ValueError("pass either ratios= or artifact=, not both")
+    if key_ratios is not None and ratios is None:
+        raise ValueError("key_ratios= needs ratios= (the values' shares); an artifact carries its own key ratios")
     if ratios is not None:
         ratios = TierRatios.coerce(ratios)
-        return HqeKVConfig(ratios=ratios, bavg=ratios.bavg if bavg is None else bavg, ratios_source="explicit", **settings)
+        key_ratios = None if key_ratios is None else TierRatios.coerce(key_ratios)
+        mean = ratios.bavg if key_ratios is None else (ratios.bavg + key_ratios.bavg) / 2
+        return HqeKVConfig(
+            ratios=ratios, key_ratios=key_ratios, bavg=mean if bavg is None else bavg, ratios_source="explicit", **settings
+        )
     fingerprint = artifacts.model_fingerprint(model)
     defaults = {f.name: f.default for f in dataclasses.fields(HqeKVConfig)}
     matched = {k: settings.get(k, defaults[k]) for k in artifacts.MATCHED_SETTINGS}
@@ -84,11 +90,17 @@ def resolve_config(model, bavg=None, ratios=None, artifact=None, **settings) -> 
             artifacts.check_artifact(found, fingerprint, None, matched)
         else:
             found = artifacts.find_artifact(artifact, fingerprint, DEFAULT_BAVG if bavg is None else bavg, matched)
-        return HqeKVConfig(ratios=found.ratios, bavg=found.bavg, ratios_source=f"artifact:{found.path}", **settings)
+        return HqeKVConfig(
+            ratios=found.ratios, key_ratios=found.key_ratios, bavg=found.bavg, ratios_source=f"artifact:{found.path}",
+            **settings,
+        )
     bavg = DEFAULT_BAVG if bavg is None else bavg
     shipped = artifacts.find_shipped(fingerprint, bavg, matched)
     if shipped is not None:
-        return HqeKVConfig(ratios=shipped.ratios, bavg=bavg, ratios_source=f"shipped:{shipped.path.name}", **settings)
+        return HqeKVConfig(
+            ratios=shipped.ratios, key_ratios=shipped.key_ratios, bavg=bavg, ratios_source=f"shipped:{shipped.path.name}",
+            **settings,
+        )
     ratios = uncalibrated_ratios(bavg)
     name = getattr(model.config, "_name_or_path", "") or model.config.model_type
     warnings.warn(
@@ -134,6 +146,7 @@ def patch_model(
     bavg: float | None = None,
     *,
     ratios: TierRatios | tuple | dict | None = None,
+    key_ratios: TierRatios | tuple | dict | None = None,
     artifact: str | Path | None = None,
     chunk_size: int = 32,
     window: int = 20,
@@ -143,6 +156,7 @@ def patch_model(
     value_group: int = 64,
     metadata_dtype: str | None = None,
     fp_dtype: str | None = None,
+    rotation: str | None = "hadamard",
     importance: str = "attention",
 ):
     """Make ``model`` keep its KV cache with HqeKV, in place; returns ``model``.
@@ -154,6 +168,9 @@ def patch_model(
         Average code bits per element, in (0, 16]. 3.2 is near-lossless in the paper, 2.0 aggressive.
     ratios : TierRatios, dict, (d4, d2, d1, d_evict) or (fp16, d4, d2, d1, d_evict), optional
         Tier shares; if given with ``bavg`` they must satisfy SPEC eq. (6).
+    key_ratios : same types, optional
+        The keys' own tier shares (``ratios`` are then the values'); same evicted share,
+        and ``bavg`` is the mean of the two budgets.
     artifact : path or Hub repo id, optional
         Calibrated ratios (:mod:`hqekv.artifacts`): a ``.safetensors`` file (its bavg is used
         when ``bavg`` is None), a directory or a Hub repo id holding one per bavg. It must be
@@ -161,7 +178,8 @@ def patch_model(
 
     Without ``ratios`` and ``artifact``, the artifact shipped in the package for this model
     and bavg is used; if there is none, the uncalibrated fallback, with a warning.
-    chunk_size, window, rerank_interval, protected_chunks, eviction, value_group, metadata_dtype, fp_dtype, importance
+    chunk_size, window, rerank_interval, protected_chunks, eviction, value_group, metadata_dtype, fp_dtype, rotation,
+    importance
         See :class:`hqekv.HqeKVConfig`.
 
     After patching, ``generate``, ``model(...)`` and pipelines use a new :class:`HqeKVCache`
@@ -177,6 +195,7 @@ def patch_model(
         bavg,
         ratios,
         artifact,
+        key_ratios,
         chunk_size=chunk_size,
         window=window,
         rerank_interval=rerank_interval,
@@ -185,6 +204,7 @@ def patch_model(
         value_group=value_group,
         metadata_dtype=metadata_dtype,
         fp_dtype=fp_dtype,
+        rotation=rotation,
         importance=importance,
     )
     head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads

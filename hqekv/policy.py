@@ -59,6 +59,7 @@ def assign_tiers(
     eviction: str = "joint",
     fp16_k: torch.Tensor | None = None,
     fp16_v: torch.Tensor | None = None,
+    key_ratios: TierRatios | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Tier of each chunk for K and for V; one evicted set shared by both.
 
@@ -80,6 +81,10 @@ def assign_tiers(
     decode tiers only move down, so the ``protected`` FP16 chunks of a component are the top
     ones among those still in FP16: the newest chunk can take over from an older one, and
     the cache keeps its FP16 chunks instead of eroding them re-rank after re-rank.
+
+    key_ratios: the keys' tier shares when they differ from the values' (``ratios``); the
+    evicted count comes from ``ratios`` (one evicted set), so a key count that rounds
+    differently moves one chunk between the keys' 1-bit tier and its neighbour.
     """
     n_valid = valid.sum(1)
     if n_logical is None:
@@ -89,7 +94,9 @@ def assign_tiers(
     rank_k = descending_rank(score_k, valid)
     rank_v = descending_rank(score_v, valid)
 
-    counts = tier_counts((n_logical - protected).clamp(min=0), ratios)
+    rankable = (n_logical - protected).clamp(min=0)
+    counts = tier_counts(rankable, ratios)
+    counts_k = counts if key_ratios is None else tier_counts(rankable, key_ratios)
 
     def top_fp16(scores: torch.Tensor, fp16: torch.Tensor | None) -> torch.Tensor:
         candidates = valid if fp16 is None else valid & fp16
@@ -117,20 +124,12 @@ def assign_tiers(
     kept = valid & ~evicted
 
     # --- tiers of the kept chunks, per metric ----------------------------------------------
-    # Cumulative boundaries in kept-rank space: protected FP16, then fp16, int4, int2 counts.
-    bounds = torch.stack(
-        [
-            protected + counts[:, FP16],
-            protected + counts[:, FP16] + counts[:, INT4],
-            protected + counts[:, FP16] + counts[:, INT4] + counts[:, INT2],
-        ],
-        dim=1,
-    )  # (B, 3)
-
-    def tiers_for(scores: torch.Tensor, forced: torch.Tensor) -> torch.Tensor:
+    def tiers_for(scores: torch.Tensor, forced: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        # Cumulative boundaries in kept-rank space: protected FP16, then fp16, int4, int2 counts.
+        bounds = protected + c[:, [FP16, INT4, INT2]].cumsum(1)  # (B, 3)
         # The forced FP16 chunks take the first `protected` places, then the order of the metric.
         kept_rank = descending_rank(scores.float().masked_fill(forced, float("inf")), kept)  # (B, C)
         tier = (kept_rank[:, :, None] >= bounds[:, None, :]).sum(-1)  # 0..3
         return tier.masked_fill(~kept, EVICTED)
 
-    return tiers_for(score_k, forced_k), tiers_for(score_v, forced_v)
+    return tiers_for(score_k, forced_k, counts_k), tiers_for(score_v, forced_v, counts)

@@ -48,7 +48,9 @@ def stored_bytes(cache) -> int:
     """Bytes of every tensor an HqeKV cache holds, found independently of memory_report."""
     total = 0
     for layer in cache.layers:
-        for value in vars(layer).values():
+        for name, value in vars(layer).items():
+            if name == "rotation":
+                continue  # one constant matrix shared by every layer and cache, like a model buffer
             if isinstance(value, torch.Tensor):
                 total += value.nbytes
             elif isinstance(value, dict):

@@ -27,6 +27,7 @@ def metadata(model, bavg=2.0, **overrides):
         "protected_chunks": 2,
         "eviction": "joint",
         "value_group": 64,
+        "rotation": "hadamard",
         "alpha": 2.0,
         "beta": 4.0,
         "trials": 200,
@@ -55,6 +56,55 @@ def test_round_trip(saved, model):
     assert a.ratios == RATIOS and a.bavg == 2.0
     assert a.fingerprint == model_fingerprint(model)
     assert a.metadata["trials"] == 200 and a.metadata["format_version"] == artifacts.FORMAT_VERSION
+
+
+KEY_RATIOS = hqekv.TierRatios(int4=0.7, int2=0.1, int1=0.1, evict=0.1)
+VALUE_RATIOS = hqekv.TierRatios(int4=0.2, int2=0.5, int1=0.2, evict=0.1)  # bavg (3.1 + 2.0) / 2
+
+
+def test_key_ratios_round_trip_and_reach_the_cache(tmp_path, model):
+    path = save_artifact(tmp_path, VALUE_RATIOS, metadata(model, bavg=2.55), key_ratios=KEY_RATIOS)
+    a = load_artifact(path)
+    assert a.ratios == VALUE_RATIOS and a.key_ratios == KEY_RATIOS and a.bavg == 2.55
+    assert "key ratios" in a.describe()
+    hqekv.patch_model(model, artifact=path)
+    config = hqekv.patch_config(model)
+    assert config.key_ratios == KEY_RATIOS and config.ratios == VALUE_RATIOS and config.bavg == 2.55
+    with torch.no_grad():
+        out = model.generate(torch.randint(1, 128, (1, 400)), max_new_tokens=70, do_sample=False,
+                             return_dict_in_generate=True)  # fmt: skip
+    counts = hqekv.memory_report(hqekv.patching.output_cache(out)).chunks
+    assert counts["k.int4"] > counts["v.int4"] and counts["v.int2"] > counts["k.int2"]
+    hqekv.unpatch_model(model)
+
+
+def test_artifact_key_ratios_are_validated(tmp_path, model):
+    with pytest.raises(ArtifactError, match="evict"):
+        save_artifact(tmp_path, VALUE_RATIOS, metadata(model, bavg=2.55), key_ratios=hqekv.TierRatios(int4=0.5, int2=0.5))
+    with pytest.raises(ArtifactError, match="bavg"):
+        save_artifact(tmp_path, VALUE_RATIOS, metadata(model, bavg=2.0), key_ratios=KEY_RATIOS)
+    path = save_artifact(tmp_path, VALUE_RATIOS, metadata(model, bavg=2.55), key_ratios=KEY_RATIOS)
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(path), framework="pt") as f:
+        raw, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    tensors["key_ratios"] = torch.tensor([0.0, 0.6, 0.2, 0.1, 0.1], dtype=torch.float64)  # metadata says otherwise
+    save_file(tensors, str(path), metadata=raw)
+    with pytest.raises(ArtifactError, match="key_ratios tensor"):
+        load_artifact(path)
+
+
+def test_ratios_apply_in_either_basis(tmp_path, model):
+    """The rotation is not a matched setting: ratios are shares of chunks, valid rotated or not."""
+    meta = metadata(model)
+    del meta["rotation"]  # searched unrotated, as every artifact before the rotation
+    path = save_artifact(tmp_path, RATIOS, meta)
+    for rotation in (None, "hadamard"):
+        hqekv.patch_model(model, artifact=path, rotation=rotation)
+        config = hqekv.patch_config(model)
+        assert config.ratios == RATIOS and config.rotation == rotation
+        hqekv.unpatch_model(model)
 
 
 def test_fingerprint_follows_the_architecture_only(model):

@@ -312,3 +312,16 @@ def test_random_importance_keeps_the_tier_counts(tiny):
         tiers[kind] = [layer.k_tier.clone() for layer in cache.layers]
     assert counts["attention"] == counts["random"]
     assert any(not torch.equal(a, r) for a, r in zip(tiers["attention"], tiers["random"]))
+
+
+def test_explicit_key_ratios_and_their_errors(tiny):
+    keys = hqekv.TierRatios(int4=0.8, evict=0.2)
+    values = hqekv.TierRatios(int2=0.8, evict=0.2)
+    hqekv.patch_model(tiny, ratios=values, key_ratios=keys, value_group=16)
+    config = hqekv.patch_config(tiny)
+    assert config.key_ratios == keys and config.bavg == pytest.approx((3.2 + 1.6) / 2)
+    greedy(tiny, prompt(300), 40)
+    hqekv.unpatch_model(tiny)
+    with pytest.raises(ValueError, match="key_ratios= needs ratios="):
+        hqekv.patch_model(tiny, bavg=2.0, key_ratios=keys)
+    assert not hqekv.is_patched(tiny)

@@ -12,6 +12,7 @@ from hqekv.calibration import (
     context_length,
     data_term,
     ratios_from_free,
+    split_ratios_from_free,
     reference_style_kl,
     run_study,
     search_box,
@@ -111,21 +112,26 @@ def test_calibrate_end_to_end_then_resume(tmp_path):
     model = tiny_llama(seed=1, layers=2)
     storage = f"sqlite:///{tmp_path / 'study.db'}"
     kwargs = dict(storage=storage, out=tmp_path, context_tokens=320, continuation_tokens=32, progress=False, model_id="tiny/llama")
-    first = calibrate(model, CharTokenizer(), 2.0, trials=20, **kwargs)
+    first = calibrate(model, CharTokenizer(), 2.0, trials=20, asymmetric=True, **kwargs)
     assert first.trials == 20
-    r = first.ratios
-    assert math.isclose(4 * r.int4 + 2 * r.int2 + r.int1, 2.0, abs_tol=1e-9) and min(r.as_tuple()) >= 0
+    k, v = first.key_ratios, first.ratios  # keys and values searched apart, one budget
+    assert math.isclose((k.bavg + v.bavg) / 2, 2.0, abs_tol=1e-9) and min(k.as_tuple() + v.as_tuple()) >= 0
+    assert k.evict == v.evict, "one evicted set"
     completed = [h for h in first.history if h["state"] == "COMPLETE"]
     assert len(completed) == 20
     assert first.best_loss == min(h["loss"] for h in completed)
     for h in completed:  # the mean ln KL of the 4 segments, plus the regulariser
         assert len(h["kls"]) == 4 and math.isclose(h["kl"], sum(h["kls"]) / 4)
-        assert math.isclose(h["loss"], sum(math.log(max(k, 1e-9)) for k in h["kls"]) / 4 + 2 * h["x3"] + 4 * h["x4"])
-    assert all(h["x3"] is not None and ratios_from_free(2.0, h["x3"], h["x4"]) is None
+        penalty = 2 * (h["x3k"] + h["x3v"]) / 2 + 4 * h["x4"]
+        assert math.isclose(h["loss"], sum(math.log(max(k, 1e-9)) for k in h["kls"]) / 4 + penalty)
+    assert len({round(h["shift"], 6) for h in completed}) > 1, "the key/value split is searched"
+    assert all(split_ratios_from_free(2.0, h["shift"], h["u3k"], h["u3v"], h["x4"]) is None
                for h in first.history if h["state"] == "PRUNED"), "only infeasible samples are pruned"
 
     artifact = load_artifact(first.path)
-    assert artifact.ratios == first.ratios
+    assert artifact.ratios == first.ratios and artifact.key_ratios == first.key_ratios
+    assert artifact.metadata["asymmetric"] is True and artifact.metadata["rotation"] is None  # searched unrotated
+    assert "asymmetric" in artifact.metadata["study_name"]
     meta = artifact.metadata
     assert meta["model_id"] == "tiny/llama" and meta["bavg"] == 2.0 and meta["trials"] == 20
     assert (meta["chunk_size"], meta["window"], meta["rerank_interval"], meta["alpha"], meta["beta"]) == (32, 20, 32, 2.0, 4.0)
@@ -136,15 +142,32 @@ def test_calibrate_end_to_end_then_resume(tmp_path):
 
     hqekv.patch_model(model, artifact=first.path)
     config = hqekv.patch_config(model)
-    assert config.ratios == first.ratios and config.bavg == 2.0 and config.ratios_source.startswith("artifact:")
+    assert config.ratios == first.ratios and config.key_ratios == first.key_ratios
+    assert config.bavg == 2.0 and config.ratios_source.startswith("artifact:")
     out = model.generate(torch.randint(1, 128, (1, 100)), max_new_tokens=40, do_sample=False)
     assert out.shape == (1, 140)
     hqekv.unpatch_model(model)
 
-    again = calibrate(model, CharTokenizer(), 2.0, trials=25, **kwargs)
+    again = calibrate(model, CharTokenizer(), 2.0, trials=25, asymmetric=True, **kwargs)
     assert again.trials == 25
-    prefix = [(h["x3"], h["x4"], h["loss"]) for h in again.history[: len(first.history)]]
-    assert prefix == [(h["x3"], h["x4"], h["loss"]) for h in first.history], "a re-run continues the same study"
+    prefix = [(h["shift"], h["x4"], h["loss"]) for h in again.history[: len(first.history)]]
+    assert prefix == [(h["shift"], h["x4"], h["loss"]) for h in first.history], "a re-run continues the same study"
+
+
+def test_symmetric_calibration_is_the_papers_search(tmp_path):
+    """asymmetric=False (the default): the paper's two variables (δ3, δ4), one set of ratios for keys and values."""
+    model = tiny_llama(seed=1, layers=2)
+    result = calibrate(model, CharTokenizer(), 2.0, trials=6, out=tmp_path, context_tokens=320, continuation_tokens=32,
+                       progress=False, model_id="tiny/llama", rotation="hadamard")  # fmt: skip
+    r = result.ratios
+    assert result.key_ratios is None
+    assert math.isclose(4 * r.int4 + 2 * r.int2 + r.int1, 2.0, abs_tol=1e-9) and min(r.as_tuple()) >= 0
+    completed = [h for h in result.history if h["state"] == "COMPLETE"]
+    assert all("shift" not in h and ratios_from_free(2.0, h["x3"], h["x4"]) is not None for h in completed)
+    artifact = load_artifact(result.path)
+    assert artifact.key_ratios is None and artifact.metadata["asymmetric"] is False
+    assert "asymmetric" not in artifact.metadata["study_name"] and "rotation=hadamard" in artifact.metadata["study_name"]
+    assert artifact.metadata["rotation"] == "hadamard"
 
 
 def test_calibrate_rejects_bad_bavg_before_any_work():
@@ -171,16 +194,21 @@ class EvictionHelps:
     """A stand-in objective with the shape measured on SmolLM2 at bavg 2: the all-2-bit end has
     ten times the KL of ratios that evict a third of the chunks and keep the rest at 4 bits."""
 
-    def kl(self, ratios):
-        return 0.3 * math.exp(-8 * ratios.evict) + 0.02 * ratios.int1
+    def kl(self, ratios, key_ratios=None):
+        one_bit = ratios.int1 if key_ratios is None else (ratios.int1 + key_ratios.int1) / 2
+        return 0.3 * math.exp(-8 * ratios.evict) + 0.02 * one_bit
 
 
+@pytest.mark.parametrize("asymmetric", [True, False], ids=["asymmetric", "symmetric"])
 @pytest.mark.parametrize("kl_scale, evicts", [("log", True), ("linear", False)])
-def test_the_log_scale_lets_the_data_decide_where_the_linear_one_cannot(kl_scale, evicts):
+def test_the_log_scale_lets_the_data_decide_where_the_linear_one_cannot(kl_scale, evicts, asymmetric):
     """On the KL's own scale α·δ3 + β·δ4 outweighs a tenfold KL gain; on ln KL it is a tie-breaker."""
-    result = run_study(EvictionHelps(), 2.0, trials=60, kl_scale=kl_scale, progress=False)
+    result = run_study(EvictionHelps(), 2.0, trials=60, kl_scale=kl_scale, progress=False, asymmetric=asymmetric)
     assert (result.ratios.evict > 0.25) is evicts, result.ratios.describe()
-    assert result.best_loss == pytest.approx(data_term(result.best_kl, kl_scale) + 2 * result.ratios.int1 + 4 * result.ratios.evict)
+    keys = result.key_ratios or result.ratios
+    assert (result.key_ratios is not None) is asymmetric
+    one_bit = (keys.int1 + result.ratios.int1) / 2
+    assert result.best_loss == pytest.approx(data_term(result.best_kl, kl_scale) + 2 * one_bit + 4 * result.ratios.evict)
 
 
 def test_data_term():

@@ -19,7 +19,9 @@ def test_parse_method():
     assert parse_method("kivi:2") == Method("kivi", 2.0)
     assert parse_method("hqekv:3.2").name == "hqekv:3.2"
     assert parse_method("quanto:4") == Method("quanto", 4.0) and parse_method("random:2").name == "random:2"
-    for bad in ["fp8", "kivi:3", "kivi", "fp16:2", "evict:16", "hqekv:0", "hqekv:x", "quanto:3", "quanto", "random"]:
+    assert parse_method("paper:3.2") == Method("paper", 3.2) and parse_method("rkivi:4").name == "rkivi:4"
+    for bad in ["fp8", "kivi:3", "rkivi:3", "kivi", "fp16:2", "evict:16", "hqekv:0", "hqekv:x", "quanto:3", "quanto",
+                "random", "paper", "hqekv-foo:2"]:
         with pytest.raises(ValueError):
             parse_method(bad)
 
@@ -32,6 +34,10 @@ def test_equal_memory_settings():
     assert evict["ratios"].fp16 == pytest.approx(2.75 / 16) and evict["eviction"] == "key"
     assert parse_method("fp16").patch_kwargs() is None and parse_method("quanto:2").patch_kwargs() is None
     assert parse_method("random:3.2").patch_kwargs() == {"bavg": 3.2, "importance": "random"}
+    # the published baselines are unrotated; rkivi is the rotated tier alone
+    assert kivi["rotation"] is None and evict["rotation"] is None
+    assert parse_method("rkivi:2").patch_kwargs()["rotation"] == "hadamard"
+    assert parse_method("paper:2").patch_kwargs() == {"bavg": 2.0, "rotation": None}
 
 
 def test_baselines_are_interpolated_at_equal_bytes():

@@ -120,3 +120,36 @@ def test_bad_ratios():
 def test_config_round_trip():
     cfg = HqeKVConfig(ratios=uncalibrated_ratios(2.8), bavg=2.8, eviction="value")
     assert HqeKVConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_key_ratios_give_keys_their_own_counts_with_one_evicted_set():
+    keys = TierRatios(int4=0.6, int2=0.1, int1=0.0, evict=0.3)
+    values = TierRatios(int4=0.1, int2=0.5, int1=0.1, evict=0.3)
+    c = 57
+    sk, sv = _scores(c, 3)
+    valid = torch.ones(2, c, dtype=torch.bool)
+    kt, vt = assign_tiers(sk, sv, valid, values, key_ratios=keys)
+    assert torch.equal(kt == EVICTED, vt == EVICTED)
+    symmetric_k, symmetric_v = assign_tiers(sk, sv, valid, values)
+    assert torch.equal(vt, symmetric_v), "the values' tiers do not depend on the keys' ratios"
+    assert torch.equal(kt == EVICTED, symmetric_k == EVICTED), "nor does the evicted set"
+    for component, ratios, tiers in (("k", keys, kt), ("v", values, vt)):
+        expected = tier_counts(torch.tensor([c - 2]), ratios)[0]
+        for row in range(2):
+            got = torch.bincount(tiers[row], minlength=5)
+            assert got[FP16] == 2 + expected[FP16], component
+            assert got[INT4] == expected[INT4] and got[INT2] == expected[INT2], component
+
+
+def test_config_key_ratios_are_checked_and_round_trip():
+    keys = TierRatios(int4=0.8, evict=0.2)  # 3.2 bits
+    values = TierRatios(int4=0.4, int2=0.4, evict=0.2)  # 2.4 bits
+    cfg = HqeKVConfig(ratios=values, key_ratios=keys, bavg=2.8)
+    assert cfg.k_ratios == keys and cfg.code_bavg == pytest.approx(2.8)
+    assert "keys" in cfg.describe_ratios() and "values" in cfg.describe_ratios()
+    assert HqeKVConfig.from_dict(cfg.to_dict()) == cfg
+    assert HqeKVConfig(ratios=values, bavg=2.4).k_ratios == values
+    with pytest.raises(ValueError, match="eq. 6"):
+        HqeKVConfig(ratios=values, key_ratios=keys, bavg=3.2)
+    with pytest.raises(ValueError, match="evicted shares must be equal"):
+        HqeKVConfig(ratios=values, key_ratios=TierRatios(int4=0.6, int2=0.4), bavg=2.6)

@@ -3,13 +3,17 @@
 - ``fp16``: the unpatched model and its own dense cache (in the model dtype).
 - ``kivi:B``: every chunk uniform B-bit (B in 2, 4; 1 is the normalized 1-bit tier), keys
   per channel and values per token as in KIVI, the newest ``len % 32`` tokens kept as an
-  FP16 residual; no FP16 chunks on top.
+  FP16 residual; no FP16 chunks on top, no rotation. ``rkivi:B``: the same, rotated
+  (``rotation="hadamard"``): what the rotation does to a tier by itself.
 - ``evict:B``: eviction only. Chunks are kept in full precision (16 bits) or evicted,
   ranked by the window queries' attention (SnapKV/H2O-style, ``eviction="key"``); the kept
   share is ``(B + METADATA_BITS) / 16``, what ``kivi:B`` costs with its 16-bit scale and
   zero per group.
 - ``hqekv:B``: ``patch_model(model, B)``: calibrated ratios when an artifact fits,
   else the documented uncalibrated fallback (the result records which).
+- ``paper:B``: the paper's setting, ``patch_model(model, B, rotation=None)``: the same
+  ratios as ``hqekv:B``, unrotated (the ablation of ``docs/results.md``,
+  ``benchmarks/ablation.py``, adds the other variants).
 - ``random:B``: the control of the importance metric: the tier counts of ``hqekv:B``
   (same ratios, same protected chunks), chunks assigned at random
   (``importance="random"``).
@@ -30,7 +34,7 @@ from dataclasses import dataclass
 
 from ..config import TierRatios, check_bavg
 
-KINDS = ("fp16", "kivi", "evict", "hqekv", "random", "quanto")
+KINDS = ("fp16", "kivi", "rkivi", "evict", "hqekv", "random", "quanto", "paper")
 KIVI_BITS = {4: "int4", 2: "int2", 1: "int1"}
 QUANTO_BITS = (2, 4)
 METADATA_BITS = 0.75
@@ -49,17 +53,24 @@ class Method:
     def name(self) -> str:
         return self.kind if self.bits is None else f"{self.kind}:{self.bits:g}"
 
-    def patch_kwargs(self) -> dict | None:
-        """Arguments of :func:`hqekv.patch_model` for this method; None for fp16 and quanto (unpatched)."""
+    def patch_kwargs(self, model=None) -> dict | None:
+        """Arguments of :func:`hqekv.patch_model` for this method; None for fp16 and quanto (unpatched).
+
+        ``model``: the model it will patch (unused here; variants that derive their ratios
+        from it override this).
+        """
         if self.kind in ("fp16", "quanto"):
             return None
-        if self.kind == "kivi":
-            return {"ratios": TierRatios(**{KIVI_BITS[int(self.bits)]: 1.0}), "protected_chunks": 0}
+        if self.kind in ("kivi", "rkivi"):
+            rotation = "hadamard" if self.kind == "rkivi" else None
+            return {"ratios": TierRatios(**{KIVI_BITS[int(self.bits)]: 1.0}), "protected_chunks": 0, "rotation": rotation}
         if self.kind == "evict":
             keep = min(1.0, (self.bits + METADATA_BITS) / 16)
-            return {"ratios": TierRatios(fp16=keep, evict=1 - keep), "eviction": "key"}
+            return {"ratios": TierRatios(fp16=keep, evict=1 - keep), "eviction": "key", "rotation": None}
         if self.kind == "random":
             return {"bavg": self.bits, "importance": "random"}
+        if self.kind == "paper":
+            return {"bavg": self.bits, "rotation": None}
         return {"bavg": self.bits}
 
     def new_cache(self, model):
@@ -80,7 +91,7 @@ class Method:
                 import optimum.quanto  # noqa: F401
             except ImportError as error:
                 raise ImportError("the quanto:B method needs optimum-quanto: pip install optimum-quanto") from error
-        kwargs = self.patch_kwargs()
+        kwargs = self.patch_kwargs(model)
         if kwargs is None:
             yield None
             return
@@ -95,10 +106,11 @@ class Method:
 
 def parse_method(spec: str) -> Method:
     """``"fp16"``, ``"kivi:2"``, ``"evict:3.2"``, ``"hqekv:2.8"`` -> :class:`Method`."""
-    match = re.fullmatch(r"(\w+)(?::([0-9.]+))?", spec.strip())
+    match = re.fullmatch(r"([\w-]+)(?::([0-9.]+))?", spec.strip())
     if not match or match.group(1) not in KINDS:
         raise ValueError(
-            f"unknown method {spec!r}; use fp16, kivi:B (B in 1, 2, 4), evict:B, hqekv:B, random:B or quanto:B (B in 2, 4)"
+            f"unknown method {spec!r}; use fp16, kivi:B or rkivi:B (B in 1, 2, 4), evict:B, hqekv:B, random:B, "
+            "quanto:B (B in 2, 4) or paper:B"
         )
     kind, bits = match.group(1), match.group(2)
     if kind == "fp16":
@@ -110,7 +122,7 @@ def parse_method(spec: str) -> Method:
     value = check_bavg(float(bits))
     if kind == "quanto" and value not in QUANTO_BITS:
         raise ValueError(f"quanto quantizes to 2 or 4 bits, got {bits}")
-    if kind == "kivi" and value not in KIVI_BITS:
+    if kind in ("kivi", "rkivi") and value not in KIVI_BITS:
         raise ValueError(f"kivi stores every chunk at one tier: B must be 1, 2 or 4, got {bits}")
     if kind == "evict" and value + METADATA_BITS > 16:
         raise ValueError(f"evict:B keeps (B + {METADATA_BITS:g})/16 of the chunks: B must be at most {16 - METADATA_BITS:g}, got {bits}")

@@ -95,7 +95,7 @@ def evaluate(
                         sample=sample.id,
                         prompt_tokens=int(sample.input_ids.shape[1]),
                         ratios_source=None if config is None else config.ratios_source,
-                        ratios=None if config is None else config.ratios.describe(),
+                        ratios=None if config is None else config.describe_ratios(),
                         **sample.meta,
                     )
                     records.append(record)
@@ -150,7 +150,7 @@ def summarize(records: list[dict], by_length: bool = False) -> list[dict]:
     return rows
 
 
-BASELINES = ("kivi", "evict", "quanto")
+BASELINES = ("kivi", "rkivi", "evict", "quanto")
 """Method families an HqeKV point is compared with at equal bytes."""
 
 

@@ -240,3 +240,27 @@ def test_call_runs_the_same_implementation_as_the_op():
     assert torch.equal(kernels.call(op, *args), op(*args))
     op, args = op_args()["quantize_pack"]
     assert all(torch.equal(a, b) for a, b in zip(kernels.call(op, *args), op(*args)))
+
+
+@pytest.mark.parametrize("tiers", [(0,), (0, 1, 2, 3)], ids=["fp16", "mixed"])
+def test_rotated_inputs_kernel_equals_reference_and_fp16_output_is_the_rotated_one(tiers):
+    """``rotation="hadamard"`` lives outside the op: the cache hands it rotated queries, keys,
+    values, pools and tail. Both implementations must agree on such inputs, and over FP16
+    chunks the output must be the unrotated output, rotated."""
+    from hqekv.rotation import rotate, rotation_matrix, unrotate
+
+    args = random_mixed_cache(b=2, hq=4, hkv=2, s=3, d=64, n_chunks=5, value_group=64, tiers=tiers)
+    r = rotation_matrix("hadamard", 64)
+    rotated = dict(args, query=rotate(args["query"], r), key=rotate(args["key"], r), value=rotate(args["value"], r),
+                   tail_k=rotate(args["tail_k"], r), tail_v=rotate(args["tail_v"], r),
+                   k_pools=[rotate(args["k_pools"][0], r), *args["k_pools"][1:]],
+                   v_pools=[rotate(args["v_pools"][0], r), *args["v_pools"][1:]])  # fmt: skip
+    expected = mixed_attention_reference(**rotated, strategy="pools")
+    scale = expected.abs().max().item()
+    on_device = {k: ([t.to(DEVICE) for t in v] if isinstance(v, list) else v.to(DEVICE) if torch.is_tensor(v) else v)
+                 for k, v in rotated.items()}  # fmt: skip
+    got = mixed_attention_triton(**on_device).cpu()
+    torch.testing.assert_close(got, expected, atol=ATTENTION_TOL[torch.float32] * scale, rtol=0)
+    if tiers == (0,):
+        plain = mixed_attention_reference(**args, strategy="pools")
+        torch.testing.assert_close(unrotate(expected, r), plain, atol=1e-5 * scale, rtol=0)
