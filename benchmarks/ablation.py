@@ -139,6 +139,9 @@ def main(argv=None) -> int:
     model, tokenizer = load_smollm2()
     records += evaluate(model, tokenizer, [make_method(m) for m in args.methods], args.tasks, samples=args.samples, lengths=args.lengths,
                         seed=args.seed, shard=shard)  # fmt: skip
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "records.json").write_text(json.dumps(records) + "\n")  # first, so that no later error loses them
     methods = sorted({r["method"] for r in records})
     command = "python " + " ".join(["benchmarks/ablation.py", *sys.argv[1:]]) if argv is None else ""
     settings = {"model_id": "HuggingFaceTB/SmolLM2-135M-Instruct", "model_dtype": str(model.dtype), "methods": methods,

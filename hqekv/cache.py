@@ -466,7 +466,9 @@ class HqeKVLayer(CacheLayerMixin):
         """Importance of every kept chunk from the window queries (SPEC §1.2).
 
         -> keys, values (B, H, C·G + G, D) as :meth:`physical_cache` returns them, and
-        score_k, score_v (B, C) float32 chunk scores in chunk-table order.
+        score_k, score_v (B, C) float32 chunk scores in chunk-table order. The scores do not
+        depend on ``config.rotation`` (beyond rounding): q·k is invariant and range(V) is
+        taken in the model's basis.
         """
         g = self.config.chunk_size
         keys, values, positions, valid = self.physical_cache()
@@ -477,7 +479,8 @@ class HqeKVLayer(CacheLayerMixin):
         attention = importance.window_attention(
             self.win_q, self.win_pos, self.win_valid, keys, positions, valid, self.scaling
         )
-        metric_k, metric_v = importance.token_metrics(attention, values)
+        # range(V) in the model's basis: the rotation changes what the quantizers see, not the ranking
+        metric_k, metric_v = importance.token_metrics(attention, unrotate(values, self.rotation))
         c = self.chunk_pos.shape[1]
         score_k = importance.chunk_scores(metric_k[:, : c * g], g)
         score_v = importance.chunk_scores(metric_v[:, : c * g], g)

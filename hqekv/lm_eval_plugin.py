@@ -12,7 +12,8 @@ Install with ``pip install hqekv[eval]``.
 Model arguments: everything ``hf`` takes (``pretrained``, ``gguf_file``, ``dtype``, ...)
 plus ``bavg``, ``artifact`` and the cache settings of :func:`hqekv.patch_model`
 (``chunk_size``, ``window``, ``rerank_interval``, ``protected_chunks``, ``eviction``,
-``value_group``, ``fp_dtype``, ``importance``). The compressed cache changes what a model
+``value_group``, ``fp_dtype``, ``rotation`` (``none`` for the paper's unrotated cache),
+``importance``). The compressed cache changes what a model
 generates after its prompt: generation tasks (LongBench, RULER, needle tests) measure it. A log-likelihood task scores
 prompt and continuation in one forward, whose attention is exact, so it cannot tell the
 methods apart.
@@ -27,7 +28,7 @@ import hqekv
 
 PATCH_ARGS = (
     "bavg", "artifact", "chunk_size", "window", "rerank_interval", "protected_chunks", "eviction", "value_group",
-    "fp_dtype", "importance",
+    "fp_dtype", "rotation", "importance",
 )  # fmt: skip
 _INT_ARGS = ("chunk_size", "window", "rerank_interval", "protected_chunks", "value_group")
 
@@ -43,6 +44,8 @@ class HqeKVLM(HFLM):
         for k in _INT_ARGS:
             if k in patch:
                 patch[k] = int(patch[k])
+        if str(patch.get("rotation", "")).lower() == "none":
+            patch["rotation"] = None
         super().__init__(pretrained=pretrained, **kwargs)
         if hqekv.is_patched(self.model):
             hqekv.unpatch_model(self.model)  # a model object passed in twice: use these settings

@@ -174,3 +174,18 @@ def test_cli_eval_rejects_a_bad_method_before_loading(capsys):
 
     with pytest.raises(ValueError, match="unknown method"):
         main(["eval", "--model", "smollm2", "--methods", "fp8", "--out", "/tmp/unused"])
+
+
+def test_results_of_methods_no_parser_knows_are_still_written(tmp_path):
+    """An ablation variant's name is not a method spec: sorting and writing keep it as it is."""
+    from hqekv.eval.runner import sort_records
+
+    records = [
+        {"task": "ppl", "method": m, "index": i, "score": 15.0 + i, "nll": 2.7, "effective_bits": 3.0, "cache_bytes": 10,
+         "elements": 10, "bavg": 2.0, "length": 384, "prefill_s": 1.0, "ratios_source": None, "ratios": None}
+        for m in ("asymrot:2", "kivi:2") for i in range(2)
+    ]  # fmt: skip
+    ordered = sort_records(records, methods=["kivi:2.0", "asymrot:2"])  # the order as a run lists its specs
+    assert [r["method"] for r in ordered] == ["kivi:2", "kivi:2", "asymrot:2", "asymrot:2"]
+    write_results(records, tmp_path, {"methods": ["kivi:2", "asymrot:2"], "tasks": ["ppl"]})
+    assert "asymrot:2" in (tmp_path / "results.md").read_text()

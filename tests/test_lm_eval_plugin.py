@@ -73,14 +73,15 @@ def test_hqekv_model_type_patches_and_generates(smollm2, task_dir):
     model, tok = smollm2
     plain = _evaluate("hf", {"pretrained": model, "tokenizer": tok}, task_dir)
     try:
-        same = _evaluate("hqekv", {"pretrained": model, "tokenizer": tok, "bavg": 16, "fp_dtype": "model"}, task_dir)
-        assert hqekv.patch_config(model).ratios == hqekv.FP16_RATIOS
+        same = _evaluate("hqekv", {"pretrained": model, "tokenizer": tok, "bavg": 16, "fp_dtype": "model",
+                                   "rotation": "none"}, task_dir)  # fmt: skip
+        assert hqekv.patch_config(model).ratios == hqekv.FP16_RATIOS and hqekv.patch_config(model).rotation is None
         assert _responses(same) == _responses(plain), "all-FP16 hqekv must generate what the plain model does"
         hqekv.unpatch_model(model)
 
         compressed = _evaluate("hqekv", {"pretrained": model, "tokenizer": tok, "bavg": "2", "window": "20"}, task_dir)
         config = hqekv.patch_config(model)
-        assert config.bavg == 2.0 and config.ratios_source.startswith("shipped:")
+        assert config.bavg == 2.0 and config.ratios_source.startswith("shipped:") and config.rotation == "hadamard"
         report = hqekv.memory_report(model)
         quantized = sum(report.chunks[f"k.{t}"] for t in ("int4", "int2", "int1"))
         assert quantized > 0 and report.bavg < 4, "the generations ran through the compressed cache"

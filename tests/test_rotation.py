@@ -87,3 +87,20 @@ def test_rotated_fp16_cache_reproduces_the_unpatched_model(tiny):
             hqekv.unpatch_model(tiny)
     got = torch.cat([out.logits, *rest], 1)
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_chunk_scores_do_not_depend_on_the_rotation(tiny):
+    """The rotation changes what the quantizers see, not which chunks matter."""
+    ids = torch.randint(1, 128, (1, 300), generator=torch.Generator().manual_seed(1))
+    scores = {}
+    for rotation in (None, "hadamard"):
+        hqekv.patch_model(tiny, ratios=TierRatios(fp16=1.0), fp_dtype="model", rotation=rotation)
+        try:
+            with torch.no_grad():
+                cache = output_cache(tiny(ids, use_cache=True))
+            scores[rotation] = [layer.chunk_importance()[2:] for layer in cache.layers]
+        finally:
+            hqekv.unpatch_model(tiny)
+    for plain, rotated in zip(scores[None], scores["hadamard"]):
+        for a, b in zip(plain, rotated):
+            torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-4)

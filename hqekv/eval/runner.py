@@ -102,10 +102,21 @@ def evaluate(
     return records
 
 
+def _method_name(spec) -> str:
+    """A method's canonical name (``kivi:2.0`` -> ``kivi:2``); a name no parser knows (an
+    ablation variant) is kept as it is, so that writing results never fails on one."""
+    if isinstance(spec, Method):
+        return spec.name
+    try:
+        return parse_method(spec).name
+    except ValueError:
+        return str(spec)
+
+
 def sort_records(records: list[dict], tasks=None, methods=None) -> list[dict]:
     """Records in task order, then method order (as the run listed them), then sample order."""
     tasks = {t: i for i, t in enumerate(tasks or dict.fromkeys(r["task"] for r in records))}
-    methods = {parse_method(m).name: i for i, m in enumerate(methods or dict.fromkeys(r["method"] for r in records))}
+    methods = {_method_name(m): i for i, m in enumerate(methods or dict.fromkeys(r["method"] for r in records))}
     return sorted(records, key=lambda r: (tasks.get(r["task"], len(tasks)), methods.get(r["method"], len(methods)), r["index"]))
 
 
