@@ -1,24 +1,23 @@
 """What hqekv adds to the paper, on and off at equal bytes: the rotation and separate key/value ratios.
 
-    python benchmarks/ablation.py --out docs/results/ablation \
-        --reuse docs/results/smollm2/results.json \
-        --rename docs/results/smollm2/results.json@hqekv:2=paper:2 docs/results/smollm2/results.json@hqekv:3.2=paper:3.2
+    python benchmarks/ablation.py --only-length 4096 --out docs/results/ablation \
+        --methods fp16 kivi:2 rkivi:2 paper:2 hqekv:2 symrot:2 asym:2 asymrot:2 paper:3.2 hqekv:3.2 asym:3.2 asymrot:3.2
 
-Runs ``hqekv eval``'s needle and perplexity tasks on SmolLM2 (fp32) for the settings of the
-ablation (:mod:`hqekv.eval.methods`):
-
-- ``paper:B``: no rotation, one set of ratios for keys and values (the paper's setting);
-- ``hqekv-sym:B``: the rotation alone (``paper:B``'s ratios, rotated);
-- ``hqekv-norot:B``: separate key/value ratios alone (``hqekv:B``'s ratios, unrotated);
-- ``hqekv:B``: both (the defaults); and ``kivi:2`` against ``rkivi:2``, the 2-bit tier by
-  itself without and with the rotation.
+Runs ``hqekv eval``'s needle and perplexity tasks on SmolLM2 (fp32) for each setting
+(:data:`ROWS`): ``paper:B`` (no rotation, the shipped ratios), ``hqekv:B`` (the
+defaults: the same ratios, rotated), and variants whose ratios come from studies run in
+another setting, kept in ``docs/results/ablation/artifacts/`` (:data:`VARIANTS`):
+``symrot:B`` (one set of ratios searched rotated), ``asym:B`` / ``asymrot:B`` (key and
+value ratios searched apart, rotated, used without / with the rotation); ``kivi:2`` and
+``rkivi:2`` show the 2-bit tier alone without and with the rotation. Any ``hqekv eval``
+method spec is accepted too.
 
 ``--samples``/``--lengths`` define the sample set exactly as ``hqekv eval`` does (samples
 are drawn round-robin over the lengths); ``--only-length`` runs the samples of one length
 of that set, so that records of a full ``hqekv eval`` run with the same set (``--reuse``,
 methods renamed with ``--rename PATH@old=new`` when the code path is the same) are the same
-samples. Writes ``results.json``/``results.md``/plots (as ``hqekv eval``) and
-``ablation.md``, the table of ``docs/results.md``.
+samples. Writes ``records.json`` first, then ``results.json``/``results.md``/plots (as
+``hqekv eval``) and ``ablation.md``, the table of ``docs/results.md``.
 """
 
 import argparse

@@ -181,7 +181,6 @@ class HqeKVConfig:
 
     ratios: TierRatios
     bavg: float
-    key_ratios: TierRatios | None = None
     chunk_size: int = 32
     window: int = 20
     rerank_interval: int = 32
@@ -192,6 +191,7 @@ class HqeKVConfig:
     fp_dtype: str | None = None
     rotation: str | None = "hadamard"
     importance: str = "attention"
+    key_ratios: TierRatios | None = None
     ratios_source: str = "explicit"
     version: int = field(default=CONFIG_VERSION)
 
