@@ -166,8 +166,9 @@ class HqeKVConfig:
     rotation : {"hadamard", None}, default "hadamard"
         An orthogonal basis change of every head's keys, queries and values before they are
         cached: a normalized Hadamard matrix (block-diagonal over the largest power of two
-        that divides the head dim). Scores q·k are unchanged, and the attention output is
-        rotated back, so only the quantization error changes: outlier channels stop owning
+        that divides the head dim). Scores q·k are unchanged (up to the rounding of the
+        rotated vectors to the model dtype), and the attention output is rotated back, so
+        only the quantization error changes: outlier channels stop owning
         their groups' range and the low-bit tiers lose less (``docs/results.md``, ablation).
         None is the paper's setting and, with ``fp_dtype="model"`` and all-FP16 ratios,
         reproduces the unpatched model bit for bit.
