@@ -49,7 +49,7 @@ class Variant(Method):
     def name(self) -> str:
         return f"{self.kind}:{self.bits:g}"
 
-    def patch_kwargs(self, model=None) -> dict:
+    def patch_kwargs(self) -> dict:
         tag, rotation = VARIANTS[self.kind]
         return {"artifact": ARTIFACTS / f"smollm2-{tag}-bavg{self.bits:g}.safetensors", "rotation": rotation}
 

@@ -19,7 +19,7 @@ from typing import Iterable
 
 import torch
 
-from .config import TierRatios
+from .config import TierRatios, check_one_evicted_set, mean_bavg
 
 FORMAT = "hqekv-ratios"
 FORMAT_VERSION = 1
@@ -128,10 +128,6 @@ def artifact_filename(model_id: str, bavg: float) -> str:
     return f"{slug}-bavg{bavg:g}{SUFFIX}"
 
 
-def _mean_bavg(ratios: TierRatios, key_ratios: TierRatios | None) -> float:
-    return ratios.bavg if key_ratios is None else (ratios.bavg + key_ratios.bavg) / 2
-
-
 def save_artifact(out: Path | str, ratios: TierRatios, metadata: dict, key_ratios: TierRatios | None = None) -> Path:
     """Write an artifact; ``out`` is a directory (file named after model id and bavg) or a file path.
 
@@ -145,15 +141,17 @@ def save_artifact(out: Path | str, ratios: TierRatios, metadata: dict, key_ratio
     tensors = {"ratios": torch.tensor(ratios.as_tuple(), dtype=torch.float64)}
     if key_ratios is not None:
         key_ratios = TierRatios.coerce(key_ratios)
-        if abs(key_ratios.evict - ratios.evict) > 1e-4:
-            raise ArtifactError(f"key ratios evict {key_ratios.evict:.4g}, value ratios {ratios.evict:.4g}: they must be equal")
+        try:
+            check_one_evicted_set(ratios, key_ratios)
+        except ValueError as err:
+            raise ArtifactError(str(err)) from err
         meta["key_ratios"] = list(key_ratios.as_tuple())
         tensors["key_ratios"] = torch.tensor(key_ratios.as_tuple(), dtype=torch.float64)
     missing = [k for k in REQUIRED if k not in meta]
     if missing:
         raise ArtifactError(f"artifact metadata lacks {missing}")
-    if abs(float(meta["bavg"]) - _mean_bavg(ratios, key_ratios)) > 1e-3:
-        raise ArtifactError(f"ratios give bavg {_mean_bavg(ratios, key_ratios):.4g}, metadata says {meta['bavg']}")
+    if abs(float(meta["bavg"]) - mean_bavg(ratios, key_ratios)) > 1e-3:
+        raise ArtifactError(f"ratios give bavg {mean_bavg(ratios, key_ratios):.4g}, metadata says {meta['bavg']}")
     out = Path(out)
     path = out if out.suffix == SUFFIX else out / artifact_filename(str(meta["model_id"]), float(meta["bavg"]))
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -203,9 +201,11 @@ def load_artifact(path: Path | str) -> Artifact:
     key_ratios = None
     if key_tensor is not None or "key_ratios" in meta:
         key_ratios = read_ratios("key_ratios", key_tensor)
-        if abs(key_ratios.evict - ratios.evict) > 1e-4:
-            raise ArtifactError(f"{path}: key ratios evict {key_ratios.evict:.4g}, value ratios {ratios.evict:.4g}: corrupt")
-    mean = _mean_bavg(ratios, key_ratios)
+        try:
+            check_one_evicted_set(ratios, key_ratios)
+        except ValueError as err:
+            raise ArtifactError(f"{path}: {err}: corrupt") from err
+    mean = mean_bavg(ratios, key_ratios)
     if abs(mean - float(meta["bavg"])) > 1e-3:
         raise ArtifactError(f"{path}: ratios give bavg {mean:.4g} but the artifact is for bavg {meta['bavg']}")
     return Artifact(path, ratios, meta, key_ratios)

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from .calibration import ALPHA, BETA, CALIBRATION_TOKENS, CONTINUATION_TOKENS, DEFAULT_SEGMENTS, DEFAULT_TRIALS, KL_SCALES
+from .config import describe_ratios
 from .eval.runner import DEFAULT_METHODS, DEFAULT_TASKS
 
 
@@ -134,8 +135,7 @@ def run_calibration(args, model, tokenizer, model_id: str, *, write: bool = True
 
 def print_calibration(results) -> None:
     for r in results:
-        ratios = r.ratios.describe() if r.key_ratios is None else f"keys {r.key_ratios.describe()}; values {r.ratios.describe()}"
-        print(f"bavg={r.bavg:g}: {ratios}  best loss {r.best_loss:.5f} (KL {r.best_kl:.5f}), "
+        print(f"bavg={r.bavg:g}: {describe_ratios(r.ratios, r.key_ratios)}  best loss {r.best_loss:.5f} (KL {r.best_kl:.5f}), "
               f"{r.trials} trials -> {r.path}")
 
 

@@ -104,6 +104,27 @@ class TierRatios:
         raise TypeError(f"ratios must be a TierRatios, dict or sequence of floats, got {type(ratios).__name__}")
 
 
+def mean_bavg(ratios: TierRatios, key_ratios: TierRatios | None = None) -> float:
+    """Average code bits per element of values at ``ratios`` and keys at ``key_ratios`` (default: the same)."""
+    return ratios.bavg if key_ratios is None else (ratios.bavg + key_ratios.bavg) / 2
+
+
+def check_one_evicted_set(ratios: TierRatios, key_ratios: TierRatios | None) -> None:
+    """Raise ``ValueError`` unless keys and values evict the same share: a chunk leaves whole."""
+    if key_ratios is not None and abs(key_ratios.evict - ratios.evict) > RATIO_TOLERANCE:
+        raise ValueError(
+            f"key ratios evict {key_ratios.evict:.4g} of the chunks but value ratios {ratios.evict:.4g}: "
+            "a chunk is evicted with its key and its value, so the evicted shares must be equal"
+        )
+
+
+def describe_ratios(ratios: TierRatios, key_ratios: TierRatios | None = None) -> str:
+    """``ratios.describe()``, or both sets when keys have their own."""
+    if key_ratios is None:
+        return ratios.describe()
+    return f"keys {key_ratios.describe()}; values {ratios.describe()}"
+
+
 FP16_RATIOS = TierRatios(fp16=1.0)
 """Everything full precision: the cache must then reproduce the unpatched model."""
 
@@ -202,11 +223,7 @@ class HqeKVConfig:
         if self.key_ratios is not None and not isinstance(self.key_ratios, TierRatios):
             object.__setattr__(self, "key_ratios", TierRatios.coerce(self.key_ratios))
         object.__setattr__(self, "bavg", check_bavg(self.bavg))
-        if self.key_ratios is not None and abs(self.key_ratios.evict - self.ratios.evict) > RATIO_TOLERANCE:
-            raise ValueError(
-                f"key_ratios evict {self.key_ratios.evict:.4g} of the chunks but ratios {self.ratios.evict:.4g}: "
-                "a chunk is evicted with its key and its value, so the evicted shares must be equal"
-            )
+        check_one_evicted_set(self.ratios, self.key_ratios)
         if abs(self.code_bavg - self.bavg) > 1e-3:
             what = f"ratios ({self.ratios.describe()})"
             if self.key_ratios is not None:
@@ -246,12 +263,10 @@ class HqeKVConfig:
     @property
     def code_bavg(self) -> float:
         """Average code bits per element the ratios give, keys and values together."""
-        return (self.k_ratios.bavg + self.ratios.bavg) / 2
+        return mean_bavg(self.ratios, self.key_ratios)
 
     def describe_ratios(self) -> str:
-        if self.key_ratios is None:
-            return self.ratios.describe()
-        return f"keys {self.key_ratios.describe()}; values {self.ratios.describe()}"
+        return describe_ratios(self.ratios, self.key_ratios)
 
     def resolve_metadata_dtype(self, kv_dtype: torch.dtype) -> torch.dtype:
         if self.metadata_dtype is not None:

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from .cache import HqeKVCache
-from .config import HqeKVConfig, TierRatios, check_bavg, uncalibrated_ratios
+from .config import HqeKVConfig, TierRatios, check_bavg, mean_bavg, uncalibrated_ratios
 from .memory import MemoryReport
 from .patches import patch_for
 
@@ -77,9 +77,9 @@ def resolve_config(model, bavg=None, ratios=None, artifact=None, key_ratios=None
     if ratios is not None:
         ratios = TierRatios.coerce(ratios)
         key_ratios = None if key_ratios is None else TierRatios.coerce(key_ratios)
-        mean = ratios.bavg if key_ratios is None else (ratios.bavg + key_ratios.bavg) / 2
         return HqeKVConfig(
-            ratios=ratios, key_ratios=key_ratios, bavg=mean if bavg is None else bavg, ratios_source="explicit", **settings
+            ratios=ratios, key_ratios=key_ratios, bavg=mean_bavg(ratios, key_ratios) if bavg is None else bavg,
+            ratios_source="explicit", **settings,
         )
     fingerprint = artifacts.model_fingerprint(model)
     defaults = {f.name: f.default for f in dataclasses.fields(HqeKVConfig)}

@@ -53,12 +53,8 @@ class Method:
     def name(self) -> str:
         return self.kind if self.bits is None else f"{self.kind}:{self.bits:g}"
 
-    def patch_kwargs(self, model=None) -> dict | None:
-        """Arguments of :func:`hqekv.patch_model` for this method; None for fp16 and quanto (unpatched).
-
-        ``model``: the model it will patch (unused here; variants that derive their ratios
-        from it override this).
-        """
+    def patch_kwargs(self) -> dict | None:
+        """Arguments of :func:`hqekv.patch_model` for this method; None for fp16 and quanto (unpatched)."""
         if self.kind in ("fp16", "quanto"):
             return None
         if self.kind in ("kivi", "rkivi"):
@@ -91,7 +87,7 @@ class Method:
                 import optimum.quanto  # noqa: F401
             except ImportError as error:
                 raise ImportError("the quanto:B method needs optimum-quanto: pip install optimum-quanto") from error
-        kwargs = self.patch_kwargs(model)
+        kwargs = self.patch_kwargs()
         if kwargs is None:
             yield None
             return
