@@ -6,9 +6,11 @@ ACL 2026).
 """
 
 from .cache import HqeKVCache, HqeKVLayer
+from .sliding import SlidingWindowLayer
 from .config import FP16_RATIOS, HqeKVConfig, TierRatios, uncalibrated_ratios
 from .calibration import calibrate
 from .memory import MemoryReport
+from .patches import SUPPORTED_MODEL_TYPES
 from .patching import (
     DEFAULT_BAVG,
     UncalibratedRatiosWarning,
@@ -29,6 +31,8 @@ __all__ = [
     "HqeKVConfig",
     "HqeKVLayer",
     "MemoryReport",
+    "SUPPORTED_MODEL_TYPES",
+    "SlidingWindowLayer",
     "TierRatios",
     "UncalibratedRatiosWarning",
     "calibrate",

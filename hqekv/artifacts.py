@@ -39,6 +39,10 @@ FINGERPRINT_FIELDS = (
 )
 """Architecture fields that decide the K/V a model produces; the fingerprint hashes them."""
 
+OPTIONAL_FINGERPRINT_FIELDS = ("sliding_window", "layer_types")
+"""Hashed too where a model sets them (sliding-window models), so fingerprints of models
+without them stay what they were."""
+
 MATCHED_SETTINGS = ("chunk_size", "window", "rerank_interval", "protected_chunks", "eviction", "value_group")
 """Cache settings an artifact was calibrated for and must be used with.
 
@@ -79,12 +83,18 @@ def fingerprint_fields(model_or_config) -> dict:
             value = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         elif name == "rope_theta":
             rope = getattr(config, "rope_parameters", None) or {}
+            if "rope_theta" not in rope and isinstance(rope.get("full_attention"), dict):
+                rope = rope["full_attention"]  # per layer type (Gemma3): the global layers' RoPE
             value = rope.get("rope_theta", getattr(config, "rope_theta", None))
         elif name == "num_key_value_heads":
             value = getattr(config, name, None) or config.num_attention_heads
         else:
             value = getattr(config, name, None)
         fields[name] = float(value) if isinstance(value, float) else value
+    for name in OPTIONAL_FINGERPRINT_FIELDS:
+        value = getattr(config, name, None)
+        if value is not None and not (name == "layer_types" and set(value) == {"full_attention"}):
+            fields[name] = list(value) if name == "layer_types" else value
     return fields
 
 

@@ -30,6 +30,7 @@ eager step run before each forward.
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -44,6 +45,7 @@ from .quantization import (
     UNIFORM,
 )
 from .rotation import rotate, rotation_matrix, unrotate
+from .sliding import SlidingWindowLayer
 
 
 @dataclass(frozen=True)
@@ -650,17 +652,29 @@ class HqeKVLayer(CacheLayerMixin):
 
 
 class HqeKVCache(Cache):
-    """A ``transformers`` cache of :class:`HqeKVLayer` s, one per attention layer.
+    """A ``transformers`` cache with one layer per attention layer of the model.
 
-    Create one per request (``generate`` does it for a patched model); it holds all of that
-    request's state. ``input_valid`` (B, S) bool is the padding mask of the tokens of the
-    forward in progress, set by the patched model from its 2-D ``attention_mask``.
+    Global attention layers get an :class:`HqeKVLayer`; a layer whose entry in
+    ``sliding_windows`` is a window W gets a :class:`~hqekv.sliding.SlidingWindowLayer` that
+    keeps its last W − 1 tokens exactly (docs/architectures.md). Create one per request
+    (``generate`` does it for a patched model); it holds all of that request's state.
+    ``input_valid`` (B, S) bool is the padding mask of the tokens of the forward in
+    progress, set by the patched model from its 2-D ``attention_mask``.
     """
 
-    def __init__(self, config: HqeKVConfig, num_layers: int):
-        super().__init__(layers=[HqeKVLayer(config, i) for i in range(num_layers)])
+    def __init__(self, config: HqeKVConfig, num_layers: int, sliding_windows: Sequence[int | None] | None = None):
+        windows = [None] * num_layers if sliding_windows is None else list(sliding_windows)
+        if len(windows) != num_layers:
+            raise ValueError(f"{len(windows)} sliding windows given for {num_layers} layers")
+        layers = [HqeKVLayer(config, i) if w is None else SlidingWindowLayer(config, w, i) for i, w in enumerate(windows)]
+        super().__init__(layers=layers)
         self.config = config
         self.input_valid: torch.Tensor | None = None
+
+    @property
+    def hqekv_layers(self) -> list[HqeKVLayer]:
+        """The compressed (global attention) layers."""
+        return [layer for layer in self.layers if isinstance(layer, HqeKVLayer)]
 
     def maintain(self) -> None:
         """Flush full tails and re-rank where due, in every layer (eager; see :meth:`HqeKVLayer.maintain`)."""
@@ -673,7 +687,11 @@ class HqeKVCache(Cache):
             layer.seen += n_new
 
     def memory_report(self):
-        """Real bytes per tier and part, against FP16 and dense caches: a :class:`MemoryReport`."""
+        """Real bytes per tier and part, against FP16 and dense caches: a :class:`MemoryReport`.
+
+        Sliding-window layers count as part ``sliding``; their dense and FP16 baselines are
+        the window the unpatched model keeps, not the whole sequence.
+        """
         from .memory import MemoryReport
 
         report = MemoryReport()
@@ -683,13 +701,20 @@ class HqeKVCache(Cache):
                 continue
             for part, n in layer.storage().items():
                 report.bytes_by_part[part] = report.bytes_by_part.get(part, 0) + n
+            per_token = layer.num_kv_heads * layer.head_dim  # elements per token per component
+            elt = torch.empty(0, dtype=layer.dtype).element_size()
+            if isinstance(layer, SlidingWindowLayer):
+                held = layer.held_tokens()
+                report.dense_bytes += 2 * layer.batch_size * min(layer.seen, layer.window - 1) * per_token * elt
+                report.fp16_bytes += 2 * held * per_token * 2
+                report.elements += 2 * held * per_token
+                report.code_bits += 2 * held * per_token * 16
+                continue
             counts = layer.chunk_counts()
             for part, n in counts.items():
                 # chunk counts add up over layers; token counts are the same in every layer
                 per_layer = part in ("real_tokens", "tail_tokens")
                 report.chunks[part] = n if per_layer else report.chunks.get(part, 0) + n
-            per_token = layer.num_kv_heads * layer.head_dim  # elements per token per component
-            elt = torch.empty(0, dtype=layer.dtype).element_size()
             report.dense_bytes += 2 * layer.batch_size * layer.seen * per_token * elt
             report.fp16_bytes += 2 * counts["real_tokens"] * per_token * 2
             report.elements += 2 * counts["real_tokens"] * per_token

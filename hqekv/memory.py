@@ -13,9 +13,11 @@ class MemoryReport:
     ----------
     bytes_by_part : dict[str, int]
         Real bytes per part, summed over layers: ``k.fp16``, ``k.int4``, ... (codes and
-        metadata), ``tail``, ``tables``, ``window`` (queries kept for re-ranking), ``counters``.
+        metadata), ``tail``, ``tables``, ``window`` (queries kept for re-ranking), ``counters``,
+        and ``sliding``: the exact windows of sliding-attention layers (docs/architectures.md).
     dense_bytes : int
-        Bytes a ``DynamicCache`` in the model dtype holds for the same input (padding included).
+        Bytes a ``DynamicCache`` in the model dtype holds for the same input (padding included;
+        in a sliding layer, its window).
     fp16_bytes : int
         Bytes of the real tokens' keys and values at 16 bits.
     elements : int

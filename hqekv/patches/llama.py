@@ -1,23 +1,22 @@
-"""Llama family (SmolLM2, Llama 2/3): q/k/v projections and RoPE, as in ``LlamaAttention``."""
+"""Separate q/k/v projections, then RoPE: Llama (SmolLM2, Llama 2/3), Mistral, Mixtral and
+Qwen2 (whose projections carry a bias, applied by the ``nn.Linear`` itself)."""
 
 from __future__ import annotations
 
 import torch
-from transformers.models.llama import modeling_llama
 
-from .base import make_attention_forward
-
-
-def project_llama(module, hidden_states: torch.Tensor, position_embeddings):
-    """hidden (B, S, hidden) -> q (B, Hq, S, D), k, v (B, Hkv, S, D), RoPE applied."""
-    hidden_shape = (*hidden_states.shape[:-1], -1, module.head_dim)
-    query = module.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-    key = module.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-    value = module.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-    cos, sin = position_embeddings
-    query, key = modeling_llama.apply_rotary_pos_emb(query, key, cos, sin)
-    return query, key, value
+from .base import split_heads
 
 
-ATTENTION_CLASSES = (modeling_llama.LlamaAttention,)
-forward = make_attention_forward(project_llama, modeling_llama.eager_attention_forward)
+def projector(apply_rotary_pos_emb):
+    """``project(module, hidden, (cos, sin))`` -> q (B, Hq, S, D), k, v (B, Hkv, S, D), RoPE applied."""
+
+    def project(module, hidden_states: torch.Tensor, position_embeddings):
+        query, key, value = split_heads(
+            module, hidden_states, module.q_proj(hidden_states), module.k_proj(hidden_states), module.v_proj(hidden_states)
+        )
+        cos, sin = position_embeddings
+        query, key = apply_rotary_pos_emb(query, key, cos, sin)
+        return query, key, value
+
+    return project

@@ -1,0 +1,208 @@
+"""The cache of a sliding-window attention layer: the last W − 1 tokens, exactly.
+
+Policy (docs/architectures.md): HqeKV compresses the *global* attention layers. A
+sliding-window layer (Mistral's ``sliding_window``, Gemma3's local layers, Qwen2's
+``use_sliding_window``) already bounds its own cache: token i attends to tokens
+i − W + 1 … i and nothing older, so transformers keeps the last W − 1 tokens
+(``DynamicSlidingWindowLayer``). :class:`SlidingWindowLayer` keeps the same tokens, at the
+cache's full-precision dtype (``HqeKVConfig.resolve_fp_dtype``), and drops what leaves
+the window, as the model itself would. It never quantizes or evicts: a 512-token window
+is small next to a long context, and evicting from it would change what the model
+attends to.
+
+Token indices are shared by all rows (left padding occupies cache positions, as in the
+unpatched model's masks), so the window is one fixed-size buffer (B, H, W − 1, D) plus a
+validity mask (B, W − 1) that is False for padding and for slots not filled yet.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import CacheLayerMixin
+
+from .config import HqeKVConfig
+
+_ROW_STATE = ("keys", "values", "valid")
+
+
+def window_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    key_index: torch.Tensor,
+    key_valid: torch.Tensor,
+    query_index: torch.Tensor,
+    window: int,
+    scaling: float,
+) -> torch.Tensor:
+    """Causal sliding-window attention, float32 softmax.
+
+    query (B, Hq, S, D); keys/values (B, Hkv, L, D); key_index (L,) and query_index (S,) cache
+    indices; key_valid (B, L) bool. Query at index i sees key j when i − W < j ≤ i and the key
+    is valid. -> (B, S, Hq, D) in the query's dtype; a query that sees no key gets zeros.
+    """
+    b, hq, s, d = query.shape
+    hkv = keys.shape[1]
+    q = query.float().reshape(b, hkv, hq // hkv, s, d)
+    scores = torch.einsum("bhrsd,bhld->bhrsl", q, keys.float()) * scaling
+    visible = (key_index[None, :] <= query_index[:, None]) & (key_index[None, :] > query_index[:, None] - window)
+    visible = visible[None] & key_valid[:, None, :]  # (B, S, L)
+    scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
+    weights = torch.softmax(scores, dim=-1)
+    out = torch.einsum("bhrsl,bhld->bhrsd", weights, values.float())
+    seen_any = visible.any(-1)[:, None, None, :, None]  # (B, 1, 1, S, 1)
+    out = torch.where(seen_any, out, torch.zeros((), dtype=out.dtype, device=out.device))
+    return out.reshape(b, hq, s, d).transpose(1, 2).to(query.dtype)
+
+
+class SlidingWindowLayer(CacheLayerMixin):
+    """One sliding-window attention layer: the last ``window − 1`` tokens at full precision.
+
+    Used through :meth:`attend`, like :class:`~hqekv.cache.HqeKVLayer`: the prefill is the
+    model's own attention (its sliding mask), later inputs attend over the window plus
+    themselves with :func:`window_attention`. A decode step is a fixed-shape roll of the
+    buffer, so it compiles to one graph.
+    """
+
+    is_sliding = True
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, config: HqeKVConfig, window: int, layer_idx: int | None = None):
+        super().__init__()
+        if window < 1:
+            raise ValueError(f"sliding window must be at least 1 token, got {window}")
+        self.config = config
+        self.window = window
+        self.layer_idx = layer_idx
+        self.seen = 0
+        self.has_tokens = False
+
+    # --- CacheLayerMixin contract ----------------------------------------------------------
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor, *args) -> None:
+        b, h, _, d = key_states.shape
+        self.device, self.dtype = key_states.device, key_states.dtype
+        self.fp_dtype = self.config.resolve_fp_dtype(self.dtype)
+        self.batch_size, self.num_kv_heads, self.head_dim = b, h, d
+        slots = self.window - 1
+        self.keys = key_states.new_zeros(b, h, slots, d, dtype=self.fp_dtype)
+        self.values = value_states.new_zeros(b, h, slots, d, dtype=self.fp_dtype)
+        self.valid = torch.zeros(b, slots, dtype=torch.bool, device=self.device)
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        raise NotImplementedError(
+            "hqekv's sliding-window layer is used through a model patched with hqekv.patch_model (attend)"
+        )
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """As ``DynamicSlidingWindowLayer``: the window's tokens plus the new ones."""
+        return min(self.seen, self.window - 1) + query_length, max(self.seen - self.window + 1, 0)
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.seen = 0
+        self.has_tokens = False
+        self.is_initialized = False
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("an HqeKV cache cannot be cropped")
+
+    def _map_rows(self, fn) -> None:
+        if self.is_initialized:
+            for name in _ROW_STATE:
+                setattr(self, name, fn(getattr(self, name)))
+            self.batch_size = self.keys.shape[0]
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._map_rows(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._map_rows(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._map_rows(lambda t: t[indices])
+
+    def maintain(self) -> None:
+        """Nothing to flush or re-rank: the window slides as tokens arrive."""
+
+    def copy(self) -> "SlidingWindowLayer":
+        """An independent copy (calibration scores trials from one prefill)."""
+        layer = object.__new__(SlidingWindowLayer)
+        layer.__dict__.update(self.__dict__)
+        if self.is_initialized:
+            for name in _ROW_STATE:
+                setattr(layer, name, getattr(self, name).clone())
+        return layer
+
+    # --- attention ---------------------------------------------------------------------------
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scaling: float,
+        new_valid: torch.Tensor | None = None,
+        dense_attention=None,
+    ) -> torch.Tensor:
+        """Attention of the new tokens over the window and themselves, then store them.
+
+        Shapes as :meth:`hqekv.cache.HqeKVLayer.attend`: query (B, Hq, S, D), key/value
+        (B, Hkv, S, D) after RoPE, new_valid (B, S) -> (B, S, Hq, D).
+        """
+        b, _, s, _ = key.shape
+        if new_valid is None:
+            new_valid = torch.ones(b, s, dtype=torch.bool, device=key.device)
+        if self.is_initialized and (
+            key.shape[0] != self.batch_size or key.shape[1] != self.num_kv_heads or key.shape[3] != self.head_dim
+        ):
+            raise ValueError(
+                f"keys of shape {tuple(key.shape)} do not fit a cache of {self.batch_size} rows, "
+                f"{self.num_kv_heads} KV heads, head dim {self.head_dim}"
+            )
+        if not self.is_initialized:
+            self._initialize(key, value)
+        if not self.has_tokens and dense_attention is not None:
+            out = dense_attention(query, key, value)  # the model's own sliding mask: exactly its prefill
+        else:
+            slots = self.window - 1
+            keys = torch.cat([self.keys, key.to(self.fp_dtype)], dim=2)
+            values = torch.cat([self.values, value.to(self.fp_dtype)], dim=2)
+            index = torch.arange(-slots, s, device=key.device)  # relative to the first new token
+            out = window_attention(
+                query, keys, values, index, torch.cat([self.valid, new_valid], 1), index[slots:], self.window, scaling
+            )
+        self._store(key, value, new_valid)
+        return out
+
+    @torch.compiler.disable
+    def _initialize(self, key, value) -> None:
+        self.lazy_initialization(key, value)
+
+    def _store(self, key, value, new_valid) -> None:
+        """Keep the last ``window − 1`` tokens (fixed shapes: an in-place roll)."""
+        slots = self.window - 1
+        with torch.no_grad():
+            for buffer, new in ((self.keys, key), (self.values, value)):
+                buffer.copy_(torch.cat([buffer, new.detach().to(buffer.dtype)], dim=2)[:, :, -slots:] if slots else buffer)
+            self.valid.copy_(torch.cat([self.valid, new_valid], dim=1)[:, -slots:] if slots else self.valid)
+        self.has_tokens = True
+
+    # --- accounting ----------------------------------------------------------------------------
+
+    def storage(self) -> dict[str, int]:
+        """Real bytes of the window, keys and values plus the validity mask."""
+        if not self.is_initialized:
+            return {}
+        return {"sliding": self.keys.nbytes + self.values.nbytes + self.valid.nbytes}
+
+    def held_tokens(self) -> int:
+        """Real (non-padding) tokens in the window, over all rows."""
+        return int(self.valid.sum()) if self.is_initialized else 0

@@ -1,0 +1,55 @@
+"""Qwen2.5-Coder-0.5B-Instruct (qwen2, GQA 7:1, QKV bias) and Gemma-3-270M (gemma3, sliding
+layers, one KV head, head dim 256) on their real weights, kept short: one 2K-token pass-key
+prompt per model, each model loaded once per test run."""
+
+import pytest
+import torch
+
+import hqekv
+from hqekv.data import passkey_prompt
+from hqekv.sliding import SlidingWindowLayer
+from tests.conftest import stored_bytes
+
+pytestmark = pytest.mark.slow
+
+# (fixture, seed, depth) where the uncompressed model finds the pass key in ~2K tokens
+CASES = {"qwen25": (2, 0.75), "gemma3": (2, 0.75)}
+
+
+def _generate(model, inputs, n, **kw):
+    with torch.no_grad():
+        return model.generate(**inputs, max_new_tokens=n, min_new_tokens=n, do_sample=False, **kw)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_fp16_ratios_reproduce_and_a_pass_key_survives_bavg_3_2(name, request):
+    model, tok = request.getfixturevalue(name)
+    seed, depth = CASES[name]
+    text, passkey = passkey_prompt(tok, 2000, depth=depth, seed=seed)
+    inputs = tok(text, return_tensors="pt", add_special_tokens=False)
+    n_prompt = inputs.input_ids.shape[1]
+    assert 2000 <= n_prompt <= 2200
+    reference = _generate(model, inputs, 12)
+    assert passkey in tok.decode(reference[0, n_prompt:]), "the uncompressed model misses the pass key"
+
+    hqekv.patch_model(model, ratios=hqekv.FP16_RATIOS, fp_dtype="model")
+    try:
+        assert torch.equal(_generate(model, inputs, 12), reference)
+    finally:
+        hqekv.unpatch_model(model)
+
+    hqekv.patch_model(model, bavg=3.2)  # the ratios shipped for this model
+    try:
+        assert hqekv.patch_config(model).ratios_source.startswith("shipped:")
+        cache = hqekv.new_cache(model)
+        out = _generate(model, inputs, 12, cache=cache)
+    finally:
+        hqekv.unpatch_model(model)
+    assert passkey in tok.decode(out[0, n_prompt:])
+    report = hqekv.memory_report(cache)
+    assert report.total_bytes == stored_bytes(cache)
+    assert report.total_bytes < 0.5 * report.dense_bytes
+    sliding = [layer for layer in cache.layers if isinstance(layer, SlidingWindowLayer)]
+    assert bool(sliding) == (name == "gemma3")
+    if sliding:  # Gemma3: 15 sliding layers of 512 − 1 tokens, 3 global layers compressed
+        assert len(sliding) == 15 and all(layer.keys.shape[2] == 511 for layer in sliding)
