@@ -1,10 +1,10 @@
 """Real bytes of every part of an HqeKV cache, per element, at 2K-32K tokens, fp32 and bf16.
 
-    python benchmarks/memory.py [--lengths 2048 4096 8192 16384 32768] [--bavg 2 3.2]
+    python benchmarks/memory.py [--model smollm2|qwen2.5-coder|gemma3] [--lengths 2048 ...] [--bavg 2 3.2]
 
-SmolLM2-135M shapes (30 layers, 9 query / 3 KV heads, head dim 64) with the ratios
-``patch_model`` resolves for SmolLM2 (the shipped artifacts), fed random keys, values and
-queries: bytes depend on the tier counts, not on the values. Each row is one prefill of
+The model's shapes (SmolLM2-135M by default: 30 layers, 9 query / 3 KV heads, head dim 64;
+Gemma3's sliding layers as exact windows) with the ratios ``patch_model`` resolves for it
+(the shipped artifacts), fed random keys, values and queries: bytes depend on the tier counts, not on the values. Each row is one prefill of
 ``tokens`` tokens followed by 32 decode steps (a flush and a re-rank), as ``generate``
 leaves the cache; figures are bits per K/V element of the real tokens, everything counted.
 The targets (effective bits <= bavg + 1.25 at 4K tokens, <= bavg + 1.0 from 16K) are
@@ -20,7 +20,8 @@ import torch
 
 import hqekv
 from hqekv.cache import HqeKVCache
-from hqekv.models import SMOLLM2, load_model
+from hqekv.models import MODEL_NAMES, SMOLLM2, load_model
+from hqekv.patches import sliding_windows
 from hqekv.patching import resolve_config
 
 DECODE_STEPS = 32
@@ -40,7 +41,7 @@ def fill(config, text_config, tokens: int, dtype: torch.dtype, seed: int = 0) ->
     gen = torch.Generator().manual_seed(seed)
     hq, hkv = text_config.num_attention_heads, text_config.num_key_value_heads
     d = getattr(text_config, "head_dim", None) or text_config.hidden_size // hq
-    cache = HqeKVCache(config, text_config.num_hidden_layers)
+    cache = HqeKVCache(config, text_config.num_hidden_layers, sliding_windows(text_config))
     skip = lambda q, k, v: q.new_zeros(q.shape[0], q.shape[2], q.shape[1], q.shape[3])  # noqa: E731 (bytes only)
     with torch.no_grad():
         for layer in cache.layers:
@@ -64,8 +65,9 @@ def main():
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192, 16384, 32768])
     parser.add_argument("--bavg", type=float, nargs="+", default=[2.0, 3.2])
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--model", choices=MODEL_NAMES, default=SMOLLM2)
     args = parser.parse_args()
-    model, _, _ = load_model(SMOLLM2)
+    model, _, model_id = load_model(args.model)
     text_config = model.config.get_text_config()
     rows = []
     for dtype_name in args.dtypes:
@@ -95,8 +97,8 @@ def main():
                 print(f"{dtype_name:8s} bavg {bavg:>4} {n:6d} tokens: effective {report.effective_bits:.3f} bits, "
                       f"code bavg {report.bavg:.3f}{verdict}\n    {parts}", flush=True)  # fmt: skip
     levers = lever_rows(model, text_config, args.bavg)
-    save("memory", {
-        "model": "SmolLM2-135M-Instruct shapes, random K/V, shipped ratios",
+    save("memory" if args.model == SMOLLM2 else f"memory-{args.model}", {
+        "model": f"{model_id} shapes, random K/V, shipped ratios",
         "decode_steps": DECODE_STEPS,
         "all_targets_met": all(r["meets_target"] is not False for r in rows),
         "rows": rows,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import types
 import warnings
 import weakref
 from dataclasses import dataclass, field
@@ -16,7 +15,7 @@ import torch
 from .cache import HqeKVCache
 from .config import HqeKVConfig, TierRatios, check_bavg, mean_bavg, uncalibrated_ratios
 from .memory import MemoryReport
-from .patches import patch_for, sliding_windows
+from .patches import PatchedAttention, attention_classes, sliding_windows
 
 DEFAULT_BAVG = 3.2
 _RECORD = "_hqekv_patch"
@@ -35,6 +34,10 @@ class _PatchRecord:
     current: HqeKVCache | None = None  # strong ref only while a generate call runs
     last_cache: Any = None  # weakref to the last cache used
     last_report: MemoryReport | None = None
+
+    def __getstate__(self) -> dict:
+        """Copies and pickles keep what patching replaced, not the last request's cache."""
+        return {**self.__dict__, "current": None, "last_cache": None, "last_report": None}
 
     def replace(self, obj, attr: str, value) -> None:
         had_own = attr in obj.__dict__
@@ -196,7 +199,7 @@ def patch_model(
     if hasattr(model, _RECORD):
         raise ValueError("model is already patched by hqekv; call hqekv.unpatch_model(model) first")
     text_config = model.config.get_text_config()
-    arch = patch_for(text_config)
+    classes = attention_classes(text_config)
     config = resolve_config(
         model,
         bavg,
@@ -233,14 +236,14 @@ def patch_model(
     try:
         n_patched = 0
         for module in model.modules():
-            if isinstance(module, arch.attention_classes):
-                record.replace(module, "forward", types.MethodType(arch.forward, module))
+            if isinstance(module, classes):
+                record.replace(module, "forward", PatchedAttention(module, text_config.model_type))
                 n_patched += 1
         if n_patched == 0:
-            raise ValueError(f"found no attention modules of {arch.attention_classes} in {type(model).__name__}")
-        record.replace(decoder, "forward", _wrap_decoder_forward(model, decoder.forward))
-        record.replace(model, "_prepare_cache_for_generation", _wrap_prepare_cache(model))
-        record.replace(model, "generate", _wrap_generate(model, model.generate))
+            raise ValueError(f"found no attention modules of {classes} in {type(model).__name__}")
+        record.replace(decoder, "forward", _DecoderForward(model, decoder))
+        record.replace(model, "_prepare_cache_for_generation", _PrepareCache(model))
+        record.replace(model, "generate", _Generate(model))
     except BaseException:
         record.restore()
         raise
@@ -284,111 +287,132 @@ def output_cache(output):
     return cache if cache is not None else getattr(output, "past_key_values", None)
 
 
-def _wrap_decoder_forward(model, original):
-    positional = [
-        name
-        for name, p in inspect.signature(original).parameters.items()
-        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-    ]
-    record_ref = lambda: getattr(model, _RECORD, None)  # noqa: E731
-    cache_name = cache_argument(original)
+# The wrappers below are objects, not closures, so that a patched model survives
+# ``copy.deepcopy`` (each wrapper's model or module is copied with the model, so the copy
+# runs its own weights) and pickles like the unpatched model. Each calls what it replaced:
+# the object's own attribute if it had one (e.g. an accelerate hook), else its class's.
 
-    @torch.compiler.disable
-    def prepare(args, kwargs) -> tuple[dict, HqeKVCache | None, int]:
-        """Eager step before each forward: cache, padding mask, maintenance, fixed-shape inputs."""
-        if len(args) > len(positional):
-            raise TypeError(f"{type(model).__name__} decoder takes at most {len(positional)} positional arguments")
-        arguments = {**dict(zip(positional, args)), **kwargs}
-        # The cache comes as `cache` or `past_key_values` (the name before transformers 5.2x);
-        # it goes on under the name this transformers version's decoder takes.
-        named = [arguments.pop(name, None) for name in CACHE_ARGUMENTS]
-        cache = next((c for c in named if c is not None), None)
-        use_cache = arguments.get("use_cache")
-        if use_cache is None:
-            use_cache = model.config.get_text_config().use_cache
-        if cache is None and use_cache:
-            cache = new_cache(model)
-        arguments[cache_name] = cache
-        if not isinstance(cache, HqeKVCache):
-            return arguments, None, 0
-        inputs = arguments.get("input_ids")
-        if inputs is None:
-            inputs = arguments.get("inputs_embeds")
-        if inputs is None:
-            raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
-        n_new = inputs.shape[1]
-        if n_new == 0:
-            raise ValueError("empty input: the prompt has no tokens")
-        valid = _input_valid(arguments.get("attention_mask"), n_new)
-        seen = cache.get_seq_length()
-        if valid is not None and seen == 0:
-            empty_rows = (~valid.any(1)).nonzero().flatten().tolist()
-            if empty_rows:
-                raise ValueError(f"batch rows {empty_rows} are all padding: each prompt needs a real token")
-        cache.input_valid = valid
-        record = record_ref()
-        if record is not None:
-            record.last_cache = weakref.ref(cache)
-        if seen:
-            # The cache holds tokens: attention goes through hqekv::mixed_attention, which masks
-            # padding with `input_valid`. Positions come as a tensor and the model's own mask is a
-            # fixed-shape placeholder, so no length reaches a compiled graph as a Python int.
-            cache.maintain()
-            if arguments.get("position_ids") is None:
-                positions = torch.arange(seen, seen + n_new, device=inputs.device)
-                arguments["position_ids"] = positions[None].expand(inputs.shape[0], n_new)
-            arguments["attention_mask"] = torch.ones(inputs.shape[0], 1, n_new, 1, dtype=torch.bool, device=inputs.device)
-        return arguments, cache, n_new
 
-    @torch.compiler.disable
-    def finish(cache: HqeKVCache, n_new: int) -> None:
-        cache.advance(n_new)
+class _DecoderForward:
+    """The decoder's ``forward``: an eager step for the cache before each call, then the original."""
 
-    def forward(*args, **kwargs):
-        arguments, cache, n_new = prepare(args, kwargs)
-        out = original(**arguments)
+    def __init__(self, model, decoder):
+        self.model, self.decoder = model, decoder
+        self.original = decoder.__dict__.get("forward")  # an instance-level forward (hooks), else None
+        forward = self.original or type(decoder).forward
+        self.positional = [
+            name
+            for name, p in inspect.signature(forward).parameters.items()
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and name != "self"
+        ]
+        self.cache_name = cache_argument(forward)
+
+    def __call__(self, *args, **kwargs):
+        arguments, cache, n_new = _prepare_forward(self, args, kwargs)
+        if self.original is not None:
+            out = self.original(**arguments)
+        else:
+            out = type(self.decoder).forward(self.decoder, **arguments)
         if cache is not None:
-            finish(cache, n_new)
+            _finish(cache, n_new)
         return out
 
-    return forward
+
+@torch.compiler.disable
+def _prepare_forward(wrapper: _DecoderForward, args, kwargs) -> tuple[dict, HqeKVCache | None, int]:
+    """Eager step before each forward: cache, padding mask, maintenance, fixed-shape inputs."""
+    model = wrapper.model
+    if len(args) > len(wrapper.positional):
+        raise TypeError(f"{type(model).__name__} decoder takes at most {len(wrapper.positional)} positional arguments")
+    arguments = {**dict(zip(wrapper.positional, args)), **kwargs}
+    # The cache comes as `cache` or `past_key_values` (the name before transformers 5.2x);
+    # it goes on under the name this transformers version's decoder takes.
+    named = [arguments.pop(name, None) for name in CACHE_ARGUMENTS]
+    cache = next((c for c in named if c is not None), None)
+    use_cache = arguments.get("use_cache")
+    if use_cache is None:
+        use_cache = model.config.get_text_config().use_cache
+    if cache is None and use_cache:
+        cache = new_cache(model)
+    arguments[wrapper.cache_name] = cache
+    if not isinstance(cache, HqeKVCache):
+        return arguments, None, 0
+    inputs = arguments.get("input_ids")
+    if inputs is None:
+        inputs = arguments.get("inputs_embeds")
+    if inputs is None:
+        raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+    n_new = inputs.shape[1]
+    if n_new == 0:
+        raise ValueError("empty input: the prompt has no tokens")
+    valid = _input_valid(arguments.get("attention_mask"), n_new)
+    seen = cache.get_seq_length()
+    if valid is not None and seen == 0:
+        empty_rows = (~valid.any(1)).nonzero().flatten().tolist()
+        if empty_rows:
+            raise ValueError(f"batch rows {empty_rows} are all padding: each prompt needs a real token")
+    cache.input_valid = valid
+    record = getattr(model, _RECORD, None)
+    if record is not None:
+        record.last_cache = weakref.ref(cache)
+    if seen:
+        # The cache holds tokens: attention goes through hqekv::mixed_attention, which masks
+        # padding with `input_valid`. Positions come as a tensor and the model's own mask is a
+        # fixed-shape placeholder, so no length reaches a compiled graph as a Python int.
+        cache.maintain()
+        if arguments.get("position_ids") is None:
+            positions = torch.arange(seen, seen + n_new, device=inputs.device)
+            arguments["position_ids"] = positions[None].expand(inputs.shape[0], n_new)
+        arguments["attention_mask"] = torch.ones(inputs.shape[0], 1, n_new, 1, dtype=torch.bool, device=inputs.device)
+    return arguments, cache, n_new
 
 
-def _wrap_prepare_cache(model):
-    original = type(model)._prepare_cache_for_generation
+@torch.compiler.disable
+def _finish(cache: HqeKVCache, n_new: int) -> None:
+    cache.advance(n_new)
 
-    cache_name = cache_argument(type(model).forward)
 
-    def prepare(generation_config, model_kwargs, *args, **kwargs):
+class _PrepareCache:
+    """``_prepare_cache_for_generation``: a new HqeKV cache per request unless one is passed."""
+
+    def __init__(self, model):
+        self.model = model
+        self.cache_name = cache_argument(type(model).forward)
+
+    def __call__(self, generation_config, model_kwargs, *args, **kwargs):
         user_cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
         if user_cache is None and generation_config.use_cache is not False:
-            cache = new_cache(model)
-            model_kwargs[cache_name] = cache
-            getattr(model, _RECORD).current = cache
+            cache = new_cache(self.model)
+            model_kwargs[self.cache_name] = cache
+            getattr(self.model, _RECORD).current = cache
             return
-        return original(model, generation_config, model_kwargs, *args, **kwargs)
+        original = type(self.model)._prepare_cache_for_generation
+        return original(self.model, generation_config, model_kwargs, *args, **kwargs)
 
-    return prepare
 
+class _Generate:
+    """``generate``: the cache passed under either name reaches the model under its own; the
+    request's memory report is kept for :func:`memory_report`."""
 
-def _wrap_generate(model, original):
-    cache_name = cache_argument(type(model).forward)
+    def __init__(self, model):
+        self.model = model
+        self.original = model.__dict__.get("generate")
+        self.cache_name = cache_argument(type(model).forward)
+        self.__doc__ = (self.original or type(model).generate).__doc__
 
-    def generate(*args, **kwargs):
-        record = getattr(model, _RECORD)
+    def __call__(self, *args, **kwargs):
+        record = getattr(self.model, _RECORD)
         for name in CACHE_ARGUMENTS:  # a cache passed under either name reaches the model under its own
-            if name != cache_name and kwargs.get(name) is not None:
-                kwargs[cache_name] = kwargs.pop(name)
+            if name != self.cache_name and kwargs.get(name) is not None:
+                kwargs[self.cache_name] = kwargs.pop(name)
+        generate = self.original or type(self.model).generate.__get__(self.model)
         try:
-            return original(*args, **kwargs)
+            return generate(*args, **kwargs)
         finally:
             cache = record.current or (record.last_cache() if record.last_cache else None)
             if cache is not None:
                 record.last_report = cache.memory_report()
             record.current = None
-
-    generate.__doc__ = original.__doc__
-    return generate
 
 
 def memory_report(model_or_cache) -> MemoryReport:

@@ -325,3 +325,37 @@ def test_explicit_key_ratios_and_their_errors(tiny):
     with pytest.raises(ValueError, match="key_ratios= needs ratios="):
         hqekv.patch_model(tiny, bavg=2.0, key_ratios=keys)
     assert not hqekv.is_patched(tiny)
+
+
+def test_deepcopy_of_a_patched_model_runs_the_copy():
+    import copy
+
+    model = tiny_llama(seed=3)
+    hqekv.patch_model(model, ratios=hqekv.FP16_RATIOS, value_group=16, fp_dtype="model")
+    ids = prompt(100)
+    original = greedy(model, ids, 20)
+    clone = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in clone.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.5)
+    attention = clone.model.layers[0].self_attn
+    assert attention.forward.module is attention  # the copy's modules run the copy's weights
+    patched = greedy(clone, ids, 20)
+    assert not torch.equal(patched, original)
+    assert torch.equal(greedy(model, ids, 20), original)  # the original is untouched
+    hqekv.unpatch_model(clone)
+    assert torch.equal(greedy(clone, ids, 20), patched)  # FP16 ratios: patched copy = unpatched copy
+    assert hqekv.is_patched(model)
+
+
+def test_a_patched_model_pickles_and_loads_patched(tmp_path):
+    model = tiny_llama(seed=4)
+    hqekv.patch_model(model, ratios=MIXED, value_group=16)
+    ids = prompt(120)
+    expected = greedy(model, ids, 40)
+    torch.save(model, tmp_path / "model.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    assert hqekv.is_patched(loaded) and hqekv.patch_config(loaded) == hqekv.patch_config(model)
+    assert torch.equal(greedy(loaded, ids, 40), expected)
+    hqekv.unpatch_model(loaded)
+    assert "forward" not in loaded.model.__dict__ and "generate" not in loaded.__dict__

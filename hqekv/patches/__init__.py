@@ -7,19 +7,12 @@ for the architecture being patched.
 
 from __future__ import annotations
 
+import functools
 import importlib
 from dataclasses import dataclass
 from typing import Callable
 
 from .base import make_attention_forward, sliding_windows
-
-
-@dataclass(frozen=True)
-class ArchitecturePatch:
-    """Attention classes of an architecture and the forward that replaces theirs."""
-
-    attention_classes: tuple[type, ...]
-    forward: Callable
 
 
 @dataclass(frozen=True)
@@ -57,11 +50,44 @@ def check_supported(text_config) -> None:
     sliding_windows(text_config)  # raises for layer types other than full and sliding attention
 
 
-def patch_for(text_config) -> ArchitecturePatch:
-    """The patch for this text config's architecture, or a ``ValueError`` naming the supported ones."""
+def attention_classes(text_config) -> tuple[type, ...]:
+    """The attention module classes to patch for this text config (``ValueError`` if unsupported)."""
     check_supported(text_config)
     family = REGISTRY[text_config.model_type]
-    modeling = importlib.import_module(f"transformers.models.{family.module}.modeling_{family.module}")
-    projection = importlib.import_module(f"{__name__}.{family.projection}")
-    project = projection.projector(modeling.apply_rotary_pos_emb)
-    return ArchitecturePatch((getattr(modeling, family.attention),), make_attention_forward(project, modeling.eager_attention_forward))
+    return (getattr(_modeling(family), family.attention),)
+
+
+def _modeling(family: _Family):
+    return importlib.import_module(f"transformers.models.{family.module}.modeling_{family.module}")
+
+
+@functools.cache
+def attention_forward(model_type: str) -> Callable:
+    """The patched ``forward(module, hidden_states, ...)`` of a family's attention modules."""
+    family = REGISTRY[model_type]
+    modeling = _modeling(family)
+    project = importlib.import_module(f"{__name__}.{family.projection}").projector(modeling.apply_rotary_pos_emb)
+    return make_attention_forward(project, modeling.eager_attention_forward)
+
+
+class PatchedAttention:
+    """The ``forward`` set on one patched attention module.
+
+    An object, not a closure, so that a patched model survives ``copy.deepcopy`` (the copy's
+    modules run the copy's weights: ``module`` is copied with them) and pickles
+    (``torch.save(model)``): it holds only the module and the family's name.
+    """
+
+    def __init__(self, module, model_type: str):
+        self.module = module
+        self.model_type = model_type
+        self.forward = attention_forward(model_type)
+
+    def __getstate__(self) -> dict:
+        return {"module": self.module, "model_type": self.model_type}  # the forward is rebuilt by name
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["module"], state["model_type"])
+
+    def __call__(self, *args, **kwargs):
+        return self.forward(self.module, *args, **kwargs)
