@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("calibrate", help="find tier ratios by TPE search and write one artifact per bavg")
     _add_model_args(p)
-    p.add_argument("--bavg", type=float, nargs="+", required=True, help="one or more bit budgets in (0, 4)")
+    p.add_argument("--bavg", type=float, nargs="+", required=True, help="one or more bit budgets in (0, 16] (code bits per element)")
     p.add_argument("--trials", type=int, default=DEFAULT_TRIALS, help="completed trials per bavg (default %(default)s)")
     p.add_argument("--out", default="artifacts", help="directory for artifacts and reports (default %(default)s)")
     p.add_argument(
@@ -166,11 +166,9 @@ def run_evaluation(args, model, tokenizer, *, shard: tuple[int, int] = (0, 1), p
 def _eval(args) -> int:
     import torch
 
-    from .eval import parse_method, write_results
+    from .eval import write_results
     from .models import load_model
 
-    for m in args.methods:
-        parse_method(m)  # bad specs fail before the model loads
     if args.threads:
         torch.set_num_threads(args.threads)
     model, tokenizer, model_id = load_model(args.model, args.gguf_file)
@@ -249,15 +247,61 @@ def _push(args) -> int:
     return 0
 
 
+def check_args(args) -> None:
+    """Everything about the arguments that can be wrong, before a model loads (``ValueError``)."""
+    import math
+
+    from .config import FP16_RATIOS, HqeKVConfig, check_bavg
+
+    def positive(name: str, value, allow_none: bool = False) -> None:
+        if value is None and allow_none:
+            return
+        if value is None or value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
+
+    if getattr(args, "threads", None) is not None:
+        positive("threads", args.threads)
+    if args.command == "calibrate":
+        for b in args.bavg:
+            check_bavg(b)
+        for name in ("trials", "segments", "continuation_tokens"):
+            positive(name, getattr(args, name))
+        positive("context_tokens", args.context_tokens, allow_none=True)
+        for name in ("alpha", "beta"):
+            value = getattr(args, name)
+            if not math.isfinite(value) or value < 0:
+                raise ValueError(f"--{name} must be a finite number >= 0, got {value}")
+        HqeKVConfig(ratios=FP16_RATIOS, bavg=16.0, **settings_from_args(args))  # validates the cache settings
+    elif args.command == "eval":
+        from .eval.runner import check_request
+
+        check_request(args.methods, args.tasks, args.samples, args.lengths)
+    if getattr(args, "model", None):
+        from .models import PACKAGED
+
+        # a Hub id is owner/name; anything else that names no existing path cannot load
+        local = args.model.startswith((".", "/", "~")) or args.model.count("/") != 1
+        if args.model not in PACKAGED and local and not Path(args.model).expanduser().exists():
+            raise ValueError(f"--model {args.model}: no such directory (nor a packaged model: {', '.join(PACKAGED)})")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from .artifacts import ArtifactError
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
+        check_args(args)
+    except (TypeError, ValueError) as err:
+        print(f"hqekv {args.command}: {err}", file=sys.stderr)
+        return 2
+    try:
         return {"calibrate": _calibrate, "eval": _eval, "info": _info, "push": _push}[args.command](args)
     except ArtifactError as err:
         print(f"hqekv {args.command}: {err}", file=sys.stderr)
+        return 2
+    except (OSError, ModuleNotFoundError) as err:  # a model or repo that cannot be read or reached, offline
+        print(f"hqekv {args.command}: {type(err).__name__}: {err}", file=sys.stderr)
         return 2
 
 

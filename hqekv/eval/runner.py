@@ -48,6 +48,24 @@ def _leaf_tensors(x) -> list:
     return [x]
 
 
+MIN_LENGTH = 64
+
+
+def check_request(methods, tasks, samples: int, lengths) -> list[Method]:
+    """Parsed methods, or a ``ValueError`` for unknown methods or tasks, no samples, or lengths
+    under :data:`MIN_LENGTH` tokens: checked before any model runs (``hqekv eval`` checks
+    before it loads the model)."""
+    methods = [m if isinstance(m, Method) else parse_method(m) for m in methods]
+    unknown = [t for t in tasks if t not in TASKS]
+    if unknown:
+        raise ValueError(f"unknown tasks {unknown}; available: {', '.join(TASKS)}")
+    if samples < 1 or not lengths or min(lengths) < MIN_LENGTH:
+        raise ValueError(
+            f"need samples >= 1 and lengths >= {MIN_LENGTH} tokens, got samples={samples}, lengths={list(lengths)}"
+        )
+    return methods
+
+
 def evaluate(
     model,
     tokenizer,
@@ -71,12 +89,7 @@ def evaluate(
 
     if is_patched(model):
         raise ValueError("evaluate an unpatched model: each method patches it for its own runs")
-    methods = [m if isinstance(m, Method) else parse_method(m) for m in methods]
-    unknown = [t for t in tasks if t not in TASKS]
-    if unknown:
-        raise ValueError(f"unknown tasks {unknown}; available: {', '.join(TASKS)}")
-    if samples < 1 or not lengths or min(lengths) < 64:
-        raise ValueError(f"need samples >= 1 and lengths >= 64 tokens, got samples={samples}, lengths={list(lengths)}")
+    methods = check_request(methods, tasks, samples, lengths)
     rank, world = shard
     records = []
     for task_name in tasks:

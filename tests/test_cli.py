@@ -1,0 +1,46 @@
+"""The CLI checks its arguments before it loads a model: one line, exit status 2."""
+
+import pytest
+
+from hqekv import cli, models
+
+BAD = [
+    (["eval", "--model", "smollm2", "--tasks", "foo", "--out", "x"], "unknown tasks"),
+    (["eval", "--model", "smollm2", "--lengths", "16", "--out", "x"], "lengths >= 64"),
+    (["eval", "--model", "smollm2", "--methods", "kivi:3", "--out", "x"], "kivi"),
+    (["eval", "--model", "smollm2", "--samples", "0", "--out", "x"], "samples >= 1"),
+    (["calibrate", "--model", "smollm2", "--bavg", "-1"], "bavg must be in"),
+    (["calibrate", "--model", "smollm2", "--bavg", "0"], "bavg must be in"),
+    (["calibrate", "--model", "smollm2", "--bavg", "nan"], "bavg must be finite"),
+    (["calibrate", "--model", "smollm2", "--bavg", "2", "--trials", "0"], "--trials"),
+    (["calibrate", "--model", "smollm2", "--bavg", "2", "--beta", "-1"], "--beta"),
+    (["calibrate", "--model", "smollm2", "--bavg", "2", "--chunk-size", "0"], "chunk_size"),
+    (["eval", "--model", "/nonexistent", "--out", "x"], "no such directory"),
+]
+
+
+@pytest.mark.parametrize("argv,message", BAD)
+def test_bad_arguments_fail_before_loading(argv, message, monkeypatch, capsys):
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(models, "load_model", no_load)
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_calibrate_help_states_the_bavg_range_the_check_uses(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["calibrate", "--help"])
+    assert "(0, 16]" in capsys.readouterr().out
+
+
+def test_unreachable_hub_is_one_line(monkeypatch, capsys):
+    from hqekv.artifacts import shipped_artifacts
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
+    assert cli.main(["push", str(shipped_artifacts()[0]), "--repo", "someone/nothing"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hqekv push:") and "offline" in err and "Traceback" not in err
