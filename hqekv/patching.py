@@ -34,6 +34,7 @@ class _PatchRecord:
     current: HqeKVCache | None = None  # strong ref only while a generate call runs
     last_cache: Any = None  # weakref to the last cache used
     last_report: MemoryReport | None = None
+    warned_cache_implementation: bool = False
 
     def __getstate__(self) -> dict:
         """Copies and pickles keep what patching replaced, not the last request's cache."""
@@ -337,6 +338,11 @@ def _prepare_forward(wrapper: _DecoderForward, args, kwargs) -> tuple[dict, HqeK
     arguments[wrapper.cache_name] = cache
     if not isinstance(cache, HqeKVCache):
         return arguments, None, 0
+    if arguments.get("output_attentions", getattr(model.config, "output_attentions", False)):
+        raise ValueError(
+            "output_attentions=True: a patched model attends over a compressed cache and returns no attention "
+            "weights; use use_cache=False (exact attention, weights returned) or hqekv.unpatch_model(model)"
+        )
     inputs = arguments.get("input_ids")
     if inputs is None:
         inputs = arguments.get("inputs_embeds")
@@ -390,6 +396,30 @@ class _PrepareCache:
         return original(self.model, generation_config, model_kwargs, *args, **kwargs)
 
 
+def _check_cache_implementation(model, record: _PatchRecord, kwargs: dict) -> None:
+    """A patched model keeps its cache with hqekv: a ``cache_implementation`` asked for in this
+    call is an error; one in the model's own generation config (e.g. Gemma's ``"hybrid"``)
+    is not used, which a warning says once."""
+    asked = kwargs.get("cache_implementation")
+    config = kwargs.get("generation_config")
+    if asked is None and config is not None:
+        asked = getattr(config, "cache_implementation", None)
+    if asked is not None:
+        raise ValueError(
+            f"cache_implementation={asked!r}: this model is patched by hqekv and keeps its KV cache as an "
+            "HqeKVCache; drop the argument, or call hqekv.unpatch_model(model) first"
+        )
+    default = getattr(getattr(model, "generation_config", None), "cache_implementation", None)
+    if default is not None and not record.warned_cache_implementation:
+        record.warned_cache_implementation = True
+        warnings.warn(
+            f"hqekv: the model's generation config asks for cache_implementation={default!r}; the patched model "
+            "uses an HqeKVCache instead (sliding layers keep their exact window)",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
 class _Generate:
     """``generate``: the cache passed under either name reaches the model under its own; the
     request's memory report is kept for :func:`memory_report`."""
@@ -402,6 +432,7 @@ class _Generate:
 
     def __call__(self, *args, **kwargs):
         record = getattr(self.model, _RECORD)
+        _check_cache_implementation(self.model, record, kwargs)
         for name in CACHE_ARGUMENTS:  # a cache passed under either name reaches the model under its own
             if name != self.cache_name and kwargs.get(name) is not None:
                 kwargs[self.cache_name] = kwargs.pop(name)

@@ -359,3 +359,35 @@ def test_a_patched_model_pickles_and_loads_patched(tmp_path):
     assert torch.equal(greedy(loaded, ids, 40), expected)
     hqekv.unpatch_model(loaded)
     assert "forward" not in loaded.model.__dict__ and "generate" not in loaded.__dict__
+
+
+def test_output_attentions_is_refused_not_silently_empty():
+    model = tiny_llama(seed=5)
+    model.set_attn_implementation("eager")
+    hqekv.patch_model(model, ratios=MIXED, value_group=16)
+    ids = prompt(40)
+    with pytest.raises(ValueError, match="returns no attention weights"):
+        model(ids, output_attentions=True)
+    with pytest.raises(ValueError, match="returns no attention weights"):
+        model.generate(ids, max_new_tokens=2, output_attentions=True, return_dict_in_generate=True)
+    with torch.no_grad():  # without a cache the attention is exact and its weights come back
+        assert len(model(ids, output_attentions=True, use_cache=False).attentions) == 2
+
+
+@pytest.mark.parametrize("implementation", ["static", "quantized"])
+def test_a_cache_implementation_asked_of_a_patched_model_is_an_error(tiny, implementation):
+    from transformers import GenerationConfig
+
+    hqekv.patch_model(tiny, ratios=MIXED, value_group=16)
+    with pytest.raises(ValueError, match=f"cache_implementation='{implementation}'"):
+        tiny.generate(prompt(40), max_new_tokens=2, cache_implementation=implementation)
+    with pytest.raises(ValueError, match="patched by hqekv"):
+        tiny.generate(prompt(40), generation_config=GenerationConfig(max_new_tokens=2, cache_implementation=implementation))
+
+
+def test_the_models_own_cache_implementation_is_replaced_with_a_warning(tiny):
+    tiny.generation_config.cache_implementation = "hybrid"
+    hqekv.patch_model(tiny, ratios=MIXED, value_group=16)
+    with pytest.warns(UserWarning, match="uses an HqeKVCache instead"):
+        out = tiny.generate(prompt(40), max_new_tokens=2, do_sample=False, return_dict_in_generate=True)
+    assert isinstance(output_cache(out), hqekv.HqeKVCache)
