@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
+import warnings
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +21,7 @@ from typing import Iterable
 
 import torch
 
-from .config import TierRatios, check_one_evicted_set, mean_bavg
+from .config import EVICTION_CRITERIA, MAX_BAVG, TierRatios, check_one_evicted_set, mean_bavg
 
 FORMAT = "hqekv-ratios"
 FORMAT_VERSION = 1
@@ -169,6 +171,42 @@ def save_artifact(out: Path | str, ratios: TierRatios, metadata: dict, key_ratio
     return path
 
 
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+FIELD_CHECKS = {
+    "model_id": (lambda v: isinstance(v, str) and bool(v), "a non-empty string"),
+    "config_fingerprint": (lambda v: isinstance(v, str) and re.fullmatch(r"[0-9a-f]{64}", v) is not None,
+                           "a sha256 hex digest"),
+    "bavg": (lambda v: _is_number(v) and 0 < v <= MAX_BAVG, f"a finite number in (0, {MAX_BAVG:g}]"),
+    "chunk_size": (lambda v: _is_int(v) and v > 0, "a positive integer"),
+    "window": (lambda v: _is_int(v) and v > 0, "a positive integer"),
+    "rerank_interval": (lambda v: _is_int(v) and v > 0, "a positive integer"),
+    "protected_chunks": (lambda v: _is_int(v) and v >= 0, "a non-negative integer"),
+    "eviction": (lambda v: v in EVICTION_CRITERIA, f"one of {EVICTION_CRITERIA}"),
+    "value_group": (lambda v: _is_int(v) and v > 0, "a positive integer"),
+    "alpha": (lambda v: _is_number(v) and v >= 0, "a finite number >= 0"),
+    "beta": (lambda v: _is_number(v) and v >= 0, "a finite number >= 0"),
+    "trials": (lambda v: _is_int(v) and v >= 0, "a non-negative integer"),
+    "best_loss": (_is_number, "a finite number"),
+    "calibration_data": (lambda v: isinstance(v, str), "a string"),
+    "calibration_data_sha256": (lambda v: isinstance(v, str), "a string"),
+    "library_version": (lambda v: isinstance(v, str), "a string"),
+}  # fmt: skip
+"""What each required metadata field must hold; :func:`load_artifact` checks them all."""
+
+
+def _check_fields(path: Path, meta: dict) -> None:
+    bad = [f"{k}={meta[k]!r} (must be {what})" for k, (ok, what) in FIELD_CHECKS.items() if not ok(meta[k])]
+    if bad:
+        raise ArtifactError(f"{path}: invalid metadata: {'; '.join(bad)}")
+
+
 def load_artifact(path: Path | str) -> Artifact:
     """Read and validate an artifact file; any defect raises :class:`ArtifactError`."""
     from safetensors import safe_open
@@ -196,6 +234,8 @@ def load_artifact(path: Path | str) -> Artifact:
     missing = [k for k in REQUIRED if k not in meta]
     if missing:
         raise ArtifactError(f"{path}: metadata lacks {missing}")
+    _check_fields(path, meta)
+
     def read_ratios(name: str, tensor) -> TierRatios:
         if tensor is None or tensor.shape != (5,) or tensor.dtype != torch.float64:
             raise ArtifactError(f"{path}: expected a float64 tensor {name!r} of 5 entries")
@@ -247,8 +287,20 @@ def _first_fitting(candidates: list[Artifact], fingerprint: str, bavg: float, se
     return None
 
 
+class ArtifactWarning(UserWarning):
+    """An artifact file in a directory was skipped because it cannot be read."""
+
+
 def _directory_artifacts(directory: Path) -> list[Artifact]:
-    return [load_artifact(p) for p in sorted(directory.glob(f"*{SUFFIX}"))]
+    """The readable artifacts of a directory; each unreadable one (a partial download, a corrupt
+    file) is skipped with an :class:`ArtifactWarning` naming it."""
+    out = []
+    for p in sorted(directory.glob(f"*{SUFFIX}")):
+        try:
+            out.append(load_artifact(p))
+        except ArtifactError as err:
+            warnings.warn(f"hqekv: skipping unreadable artifact {p}: {err}", ArtifactWarning, stacklevel=3)
+    return out
 
 
 def _hub_snapshot(repo_id: str) -> Path:
@@ -263,8 +315,17 @@ def _hub_snapshot(repo_id: str) -> Path:
         ) from err
 
 
-def find_artifact(source: str | Path, fingerprint: str, bavg: float, settings: dict) -> Artifact:
-    """The artifact for this model, bavg and settings in ``source``: a file, a directory or a Hub repo id."""
+def find_artifact(
+    source: str | Path, fingerprint: str, bavg: float | None, settings: dict, default_bavg: float | None = None
+) -> Artifact:
+    """The artifact for this model, bavg and settings in ``source``: a file, a directory or a Hub repo id.
+
+    ``bavg=None`` takes the file's bavg, or a directory's only artifact that fits the model
+    and settings; among several, the one at ``default_bavg`` (an error names the choices
+    when there is none).
+    """
+    if not str(source).strip():
+        raise ArtifactError("artifact is an empty path: give a file, a directory or a Hub repo id (owner/name)")
     path = Path(source)
     if path.is_file():
         artifact = load_artifact(path)
@@ -272,18 +333,30 @@ def find_artifact(source: str | Path, fingerprint: str, bavg: float, settings: d
         return artifact
     if path.is_dir():
         directory = path
-    elif isinstance(source, str) and _HUB_ID.match(source):
+    elif isinstance(source, str) and _HUB_ID.match(source) and not source.endswith(SUFFIX):
         directory = _hub_snapshot(source)
     else:
         raise ArtifactError(f"artifact {str(source)!r}: no such file or directory, and not a Hub repo id (owner/name)")
     candidates = _directory_artifacts(directory)
     if not candidates:
-        raise ArtifactError(f"no {SUFFIX} artifacts in {source}")
-    found = _first_fitting(candidates, fingerprint, bavg, settings)
-    if found is not None:
-        return found
+        raise ArtifactError(f"no readable {SUFFIX} artifacts in {source}")
+    if bavg is None:
+        fitting = [a for a in candidates if _first_fitting([a], fingerprint, a.bavg, settings) is not None]
+        if len(fitting) == 1:
+            return fitting[0]
+        at_default = [a for a in fitting if default_bavg is not None and abs(a.bavg - default_bavg) < 1e-6]
+        if at_default:
+            return at_default[0]
+        if len(fitting) > 1:
+            choices = ", ".join(sorted({f"{a.bavg:g}" for a in fitting}, key=float))
+            raise ArtifactError(f"{source} holds artifacts for this model at bavg {choices}: pass bavg= to choose one")
+    else:
+        found = _first_fitting(candidates, fingerprint, bavg, settings)
+        if found is not None:
+            return found
     available = ", ".join(f"{a.metadata['model_id']} bavg={a.bavg:g}" for a in candidates)
-    raise ArtifactError(f"no artifact in {source} fits this model at bavg={bavg:g} with these settings; it has: {available}")
+    wanted = "" if bavg is None else f" at bavg={bavg:g}"
+    raise ArtifactError(f"no artifact in {source} fits this model{wanted} with these settings; it has: {available}")
 
 
 def shipped_artifacts() -> list[Path]:

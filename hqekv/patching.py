@@ -89,11 +89,7 @@ def resolve_config(model, bavg=None, ratios=None, artifact=None, key_ratios=None
     defaults = {f.name: f.default for f in dataclasses.fields(HqeKVConfig)}
     matched = {k: settings.get(k, defaults[k]) for k in artifacts.MATCHED_SETTINGS}
     if artifact is not None:
-        if bavg is None and Path(artifact).is_file():
-            found = artifacts.load_artifact(artifact)
-            artifacts.check_artifact(found, fingerprint, None, matched)
-        else:
-            found = artifacts.find_artifact(artifact, fingerprint, DEFAULT_BAVG if bavg is None else bavg, matched)
+        found = artifacts.find_artifact(artifact, fingerprint, bavg, matched, default_bavg=DEFAULT_BAVG)
         return HqeKVConfig(
             ratios=found.ratios, key_ratios=found.key_ratios, bavg=found.bavg, ratios_source=f"artifact:{found.path}",
             **settings,
@@ -183,9 +179,11 @@ def patch_model(
         The keys' own tier shares (``ratios`` are then the values'); same evicted share,
         and ``bavg`` is the mean of the two budgets.
     artifact : path or Hub repo id, optional
-        Calibrated ratios (:mod:`hqekv.artifacts`): a ``.safetensors`` file (its bavg is used
-        when ``bavg`` is None), a directory or a Hub repo id holding one per bavg. It must be
-        for this model (config fingerprint), this bavg and these cache settings.
+        Calibrated ratios (:mod:`hqekv.artifacts`): a ``.safetensors`` file, a directory or a
+        Hub repo id holding one per bavg. With ``bavg`` None, a file's bavg is used, or a
+        directory's only artifact for this model, or among several the one at 3.2. It must be
+        for this model (config fingerprint), this bavg and these cache settings; unreadable
+        files in a directory are skipped with a warning.
 
     Without ``ratios`` and ``artifact``, the artifact shipped in the package for this model
     and bavg is used; if there is none, the uncalibrated fallback, with a warning.

@@ -279,3 +279,58 @@ def test_push_refuses_a_corrupt_artifact(saved):
     saved.write_bytes(b"junk")
     with pytest.raises(ArtifactError):
         artifacts.push_artifacts([saved], "me/x")
+
+
+def _rewrite_metadata(path, **changes):
+    """The artifact at ``path`` with metadata fields replaced (JSON values), tensors kept."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(path), framework="pt") as f:
+        raw, tensors = dict(f.metadata()), {k: f.get_tensor(k) for k in f.keys()}
+    raw.update({k: json.dumps(v) for k, v in changes.items()})
+    save_file(tensors, str(path), metadata=raw)
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [("config_fingerprint", 12345), ("bavg", float("nan")), ("chunk_size", "32"), ("trials", -1), ("alpha", None)],
+)
+def test_every_metadata_field_is_validated(saved, field, value, capsys):
+    _rewrite_metadata(saved, **{field: value})
+    with pytest.raises(ArtifactError, match=f"invalid metadata: {field}="):
+        load_artifact(saved)
+    assert main(["info", str(saved)]) == 2  # `hqekv info` no longer passes it with exit 0
+    assert "invalid metadata" in capsys.readouterr().err
+
+
+def test_an_unreadable_file_beside_a_valid_one_is_skipped_with_a_warning(tmp_path, model):
+    save_artifact(tmp_path, RATIOS, metadata(model))
+    partial = tmp_path / "llama-bavg3.2.safetensors"
+    partial.write_bytes(b"\x00\x01 partial download")
+    with pytest.warns(artifacts.ArtifactWarning, match="llama-bavg3.2.safetensors"):
+        hqekv.patch_model(model, bavg=2.0, artifact=tmp_path, value_group=64)
+    assert hqekv.patch_config(model).ratios == RATIOS
+
+
+def test_a_missing_relative_path_is_not_reported_as_a_hub_download(model):
+    with pytest.raises(ArtifactError, match="no such file or directory"):
+        hqekv.patch_model(model, artifact="arts/x.safetensors")
+
+
+def test_an_empty_artifact_path_is_an_error(model, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    save_artifact(tmp_path, RATIOS, metadata(model))  # it would be found in the current directory
+    with pytest.raises(ArtifactError, match="empty path"):
+        hqekv.patch_model(model, artifact="")
+
+
+def test_a_directory_takes_its_only_artifacts_bavg(tmp_path, model):
+    save_artifact(tmp_path, RATIOS, metadata(model))  # bavg 2, not the default 3.2
+    hqekv.patch_model(model, artifact=tmp_path)
+    assert hqekv.patch_config(model).bavg == 2.0
+    hqekv.unpatch_model(model)
+    other = ratios_from_free(2.8, 0.2, 0.1)
+    save_artifact(tmp_path, other, metadata(model, bavg=2.8))
+    with pytest.raises(ArtifactError, match="bavg 2, 2.8: pass bavg="):
+        hqekv.patch_model(model, artifact=tmp_path)
