@@ -694,7 +694,7 @@ class HqeKVCache(Cache):
         """
         from .memory import MemoryReport
 
-        report = MemoryReport()
+        report = MemoryReport(requested_bavg=self.config.bavg)
         g = self.config.chunk_size
         for layer in self.layers:
             if not layer.is_initialized:
@@ -708,6 +708,7 @@ class HqeKVCache(Cache):
                 report.dense_bytes += 2 * layer.batch_size * min(layer.seen, layer.window - 1) * per_token * elt
                 report.fp16_bytes += 2 * held * per_token * 2
                 report.elements += 2 * held * per_token
+                report.sliding_elements += 2 * held * per_token
                 report.code_bits += 2 * held * per_token * 16
                 continue
             counts = layer.chunk_counts()

@@ -14,7 +14,7 @@ import torch
 
 from .cache import HqeKVCache
 from .config import HqeKVConfig, TierRatios, check_bavg, mean_bavg, uncalibrated_ratios
-from .memory import MemoryReport
+from .memory import OVER_BUDGET_WARNING, MemoryReport
 from .patches import PatchedAttention, attention_classes, sliding_windows
 
 DEFAULT_BAVG = 3.2
@@ -35,6 +35,7 @@ class _PatchRecord:
     last_cache: Any = None  # weakref to the last cache used
     last_report: MemoryReport | None = None
     warned_cache_implementation: bool = False
+    warned_over_budget: bool = False
 
     def __getstate__(self) -> dict:
         """Copies and pickles keep what patching replaced, not the last request's cache."""
@@ -418,6 +419,21 @@ def _check_cache_implementation(model, record: _PatchRecord, kwargs: dict) -> No
         )
 
 
+def _warn_over_budget(record: _PatchRecord, report: MemoryReport) -> None:
+    """Warn once per patched model when fixed costs push the stored bits far past the request."""
+    if report.over_budget > OVER_BUDGET_WARNING and not record.warned_over_budget:
+        record.warned_over_budget = True
+        warnings.warn(
+            f"hqekv: this request stored {report.compressed_bavg:.2f} code bits per element against the requested "
+            f"bavg {report.requested_bavg:g}: at {report.chunks.get('real_tokens', 0)} tokens the "
+            f"{record.config.protected_chunks} protected FP16 chunks per layer and the FP16 tail of up to "
+            f"{record.config.chunk_size} tokens dominate. Compression pays off on longer inputs "
+            "(see hqekv.memory_report)",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
 class _Generate:
     """``generate``: the cache passed under either name reaches the model under its own; the
     request's memory report is kept for :func:`memory_report`."""
@@ -441,6 +457,7 @@ class _Generate:
             cache = record.current or (record.last_cache() if record.last_cache else None)
             if cache is not None:
                 record.last_report = cache.memory_report()
+                _warn_over_budget(record, record.last_report)
             record.current = None
 
 

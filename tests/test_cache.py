@@ -391,3 +391,18 @@ def test_the_models_own_cache_implementation_is_replaced_with_a_warning(tiny):
     with pytest.warns(UserWarning, match="uses an HqeKVCache instead"):
         out = tiny.generate(prompt(40), max_new_tokens=2, do_sample=False, return_dict_in_generate=True)
     assert isinstance(output_cache(out), hqekv.HqeKVCache)
+
+
+def test_a_short_prompt_far_over_the_requested_bavg_warns_once_and_reports_it(tiny):
+    hqekv.patch_model(tiny, ratios=MIXED, value_group=16)
+    with pytest.warns(UserWarning, match="protected FP16 chunks") as caught:
+        greedy(tiny, prompt(60), 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per patched model, not per request
+        greedy(tiny, prompt(60), 3)
+    assert sum("protected FP16" in str(w.message) for w in caught) == 1
+    report = hqekv.memory_report(tiny)
+    assert report.requested_bavg == MIXED.bavg and report.over_budget > 1
+    assert "above the requested bavg" in str(report)
+    long = hqekv.memory_report(output_cache(tiny.generate(prompt(1200), max_new_tokens=2, return_dict_in_generate=True)))
+    assert long.over_budget < 1 and "above the requested" not in str(long)
