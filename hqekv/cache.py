@@ -30,6 +30,7 @@ eager step run before each forward.
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -102,6 +103,40 @@ def decode_chunks(
     return kernels.call(
         kernels.dequantize, *pool.tensors(), fmt.bits, normalized, per_channel, value_group, chunk_size, head_dim, dtype
     )
+
+
+_FLOAT16_MAX = torch.finfo(torch.float16).max
+
+
+def check_storable(
+    layer_idx, states: tuple[torch.Tensor, ...], store_dtypes: tuple[torch.dtype, ...], position: int | None = None
+) -> None:
+    """Raise ``ValueError`` at once for key/value states the cache cannot keep faithfully.
+
+    NaN/inf states (the model itself broke) and, when a part is stored in float16 (the
+    FP16 tier, tail and window of an fp32 model, or float16 scale/zero), values beyond its
+    ±65504 range, which would turn into inf and then NaN logits, silently. An eager check
+    (one host sync), run on every prefill and before every decode step.
+    """
+    peak = torch.stack([t.detach().abs().amax().float() if t.numel() else t.new_zeros((), dtype=torch.float32)
+                        for t in states]).amax()  # fmt: skip
+    peak = float(peak)
+    limit = _FLOAT16_MAX
+    at = "" if position is None else f" (among the newest tokens, before token {position})"
+    fix = (
+        "patch with fp_dtype='bfloat16' (or 'float32') and metadata_dtype='bfloat16' (or 'float32')"
+    )
+    if not math.isfinite(peak):
+        cause = f", or exceeded float16's ±{limit:g} when stored ({fix})" if torch.float16 in store_dtypes else ""
+        raise ValueError(
+            f"non-finite (NaN/inf) key or value states in layer {layer_idx}{at}: the model's own activations "
+            f"overflowed or became NaN (the unpatched model would give NaN from here on){cause}"
+        )
+    if torch.float16 in store_dtypes and peak > limit:
+        raise ValueError(
+            f"key/value states of magnitude {peak:.4g} in layer {layer_idx}{at} exceed float16's range (±{limit:g}), in "
+            f"which this cache stores its full-precision parts or scale/zero; {fix}"
+        )
 
 
 def _stable_order(valid: torch.Tensor, valid_first: bool) -> torch.Tensor:
@@ -296,6 +331,7 @@ class HqeKVLayer(CacheLayerMixin):
     @torch.compiler.disable
     def _store(self, query, key, value, new_valid) -> None:
         """Store a whole input eagerly: window, tail, flush of full chunks, re-ranking when due."""
+        check_storable(self.layer_idx, (key, value), (self.fp_dtype, self.meta_dtype))
         with torch.no_grad():
             self._append(query.detach(), key.detach(), value.detach(), new_valid)
         self.has_tokens = True
@@ -347,7 +383,12 @@ class HqeKVLayer(CacheLayerMixin):
             return
         g = self.config.chunk_size
         full = self.tail_len >= g
-        if not bool(full.any()):
+        # one host sync: is a flush due, and can the tail the decode steps wrote be kept (check_storable)
+        peak = torch.maximum(self.tail_k.abs().amax(), self.tail_v.abs().amax()).float()
+        due_any, peak = torch.stack([full.any().float(), peak]).tolist()
+        if not math.isfinite(peak) or peak > _FLOAT16_MAX:
+            check_storable(self.layer_idx, (self.tail_k, self.tail_v), (self.fp_dtype, self.meta_dtype), self.seen)
+        if not due_any:
             return
         with torch.no_grad():
             chunk = lambda t: t[:, None].transpose(1, 2).reshape(t.shape[0], 1, *t.shape[1:])  # noqa: E731

@@ -130,7 +130,12 @@ class SlidingWindowLayer(CacheLayerMixin):
         self._map_rows(lambda t: t[indices])
 
     def maintain(self) -> None:
-        """Nothing to flush or re-rank: the window slides as tokens arrive."""
+        """Eager step before each forward: nothing to flush or re-rank, the window slides as
+        tokens arrive; the tokens the last step stored are checked (:func:`~hqekv.cache.check_storable`)."""
+        if self.is_initialized:
+            from .cache import check_storable
+
+            check_storable(self.layer_idx, (self.keys, self.values), (self.fp_dtype,), self.seen)
 
     def copy(self) -> "SlidingWindowLayer":
         """An independent copy (calibration scores trials from one prefill)."""
@@ -169,6 +174,10 @@ class SlidingWindowLayer(CacheLayerMixin):
             )
         if not self.is_initialized:
             self._initialize(key, value)
+        if not self.has_tokens and not torch.compiler.is_compiling():
+            from .cache import check_storable
+
+            check_storable(self.layer_idx, (key, value), (self.fp_dtype,))
         if not self.has_tokens and dense_attention is not None:
             out = dense_attention(query, key, value)  # the model's own sliding mask: exactly its prefill
         else:

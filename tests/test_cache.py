@@ -406,3 +406,42 @@ def test_a_short_prompt_far_over_the_requested_bavg_warns_once_and_reports_it(ti
     assert "above the requested bavg" in str(report)
     long = hqekv.memory_report(output_cache(tiny.generate(prompt(1200), max_new_tokens=2, return_dict_in_generate=True)))
     assert long.over_budget < 1 and "above the requested" not in str(long)
+
+
+def _corrupt_keys_at(model, call: int, factor: float):
+    """Multiply layer 0's keys by ``factor`` on its ``call``-th projection (1 = the prefill)."""
+    calls = {"n": 0}
+
+    def hook(module, inputs, out):
+        calls["n"] += 1
+        return out * factor if calls["n"] == call else out
+
+    return model.model.layers[0].self_attn.k_proj.register_forward_hook(hook)
+
+
+@pytest.mark.parametrize("call,factor,message", [
+    (5, float("nan"), "non-finite"),       # a NaN key in a decode step
+    (1, float("nan"), "non-finite"),       # in the prompt
+    (1, 1e6, "exceed float16's range"),    # finite in fp32, beyond the float16 parts of the cache
+    (5, 1e6, "exceed float16's range|non-finite"),
+])  # fmt: skip
+def test_nan_and_float16_overflow_raise_at_once(tiny, call, factor, message):
+    hqekv.patch_model(tiny, ratios=MIXED, value_group=16)
+    _corrupt_keys_at(tiny, call, factor)
+    steps = []
+    with pytest.raises(ValueError, match=message):
+        tiny.generate(prompt(100), max_new_tokens=60, min_new_tokens=60, do_sample=False,
+                      logits_processor=[lambda ids, scores: steps.append(1) or scores])  # fmt: skip
+    assert len(steps) <= call  # raised before the next token, not ~46 tokens later at a re-rank
+
+
+def test_large_magnitudes_are_kept_with_wide_dtypes(tiny):
+    """The remedy the error names works: bf16/fp32 parts and metadata hold fp32-range values."""
+    hqekv.patch_model(tiny, ratios=MIXED, value_group=16, fp_dtype="float32", metadata_dtype="float32")
+    _corrupt_keys_at(tiny, 1, 1e6)
+    with torch.no_grad():
+        out = tiny(prompt(100), use_cache=True)
+        cache = output_cache(out)
+        for _ in range(40):  # decode through a flush and a re-rank
+            out = tiny(out.logits[:, -1:].argmax(-1), cache=cache, use_cache=True)
+            assert torch.isfinite(out.logits).all()

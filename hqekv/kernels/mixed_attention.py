@@ -238,7 +238,9 @@ def _pool_attention(
          new_ok.repeat(1, gq, 1)], dim=-1,
     )  # (B, R, Nk·G + G + S)  # fmt: skip
     flat = torch.cat([slot_logits.reshape(b, hkv, r, nk * g), tail_logits, new_logits], dim=-1)
-    probs = torch.softmax(flat.masked_fill(~mask[:, None], -torch.inf), dim=-1).nan_to_num(0.0)  # sees nothing: 0
+    probs = torch.softmax(flat.masked_fill(~mask[:, None], -torch.inf), dim=-1)
+    # a query that sees nothing gets 0; a NaN from a NaN key propagates, as in the unpatched model
+    probs = torch.where(mask.any(-1)[:, None, :, None], probs, 0.0)
 
     # 3. probabilities in value-slot order, then the weighted values of every pool
     v_sizes = [v_pools[0].shape[0]] + [quantized_pool(v_pools, t)[0].shape[0] for t in QUANTIZED_TIERS]
@@ -458,7 +460,8 @@ def mixed_attention_triton(
     w = torch.exp(part_m - m_safe)
     num = (w[..., None] * part_o).sum(2)
     den = (w * part_l).sum(2)
-    out = torch.where(den[..., None] > 0, num / den.clamp(min=1e-30)[..., None], 0.0)[:, :, : gq * s]
+    # den is 0 only for a query that sees nothing (-> 0); a NaN from a NaN key propagates
+    out = torch.where(den[..., None] == 0, 0.0, num / den.clamp(min=1e-30)[..., None])[:, :, : gq * s]
     # rows r = (head in group, token) -> (B, S, Hq, D)
     out = out.reshape(b, hkv, gq, s, d).permute(0, 3, 1, 2, 4).reshape(b, s, hq, d)
     return out.to(query.dtype)
