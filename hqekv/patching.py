@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import threading
 import warnings
 import weakref
 from dataclasses import dataclass, field
@@ -25,21 +26,43 @@ class UncalibratedRatiosWarning(UserWarning):
     """No calibrated ratios exist for this model and bavg; the documented fallback is used."""
 
 
-@dataclass
-class _PatchRecord:
-    """What patching replaced, to restore it exactly, plus a weak handle for reporting."""
+class _RequestState(threading.local):
+    """Per thread: the cache of the generate call running, the last cache used and its report."""
 
-    config: HqeKVConfig
-    saved: list[tuple[Any, str, bool, Any]] = field(default_factory=list)  # (obj, attr, had_own, previous)
     current: HqeKVCache | None = None  # strong ref only while a generate call runs
     last_cache: Any = None  # weakref to the last cache used
     last_report: MemoryReport | None = None
+
+
+def _per_thread(name: str) -> property:
+    return property(lambda self: getattr(self._requests, name), lambda self, v: setattr(self._requests, name, v))
+
+
+@dataclass
+class _PatchRecord:
+    """What patching replaced, to restore it exactly, plus per-thread handles for reporting.
+
+    The request state is thread-local: two threads generating on one patched model each see
+    their own last cache in :func:`memory_report`.
+    """
+
+    config: HqeKVConfig
+    saved: list[tuple[Any, str, bool, Any]] = field(default_factory=list)  # (obj, attr, had_own, previous)
     warned_cache_implementation: bool = False
     warned_over_budget: bool = False
+    _requests: _RequestState = field(default_factory=_RequestState, repr=False, compare=False)
+
+    current = _per_thread("current")
+    last_cache = _per_thread("last_cache")
+    last_report = _per_thread("last_report")
 
     def __getstate__(self) -> dict:
-        """Copies and pickles keep what patching replaced, not the last request's cache."""
-        return {**self.__dict__, "current": None, "last_cache": None, "last_report": None}
+        """Copies and pickles keep what patching replaced, not any request's cache."""
+        return {k: v for k, v in self.__dict__.items() if k != "_requests"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._requests = _RequestState()
 
     def replace(self, obj, attr: str, value) -> None:
         had_own = attr in obj.__dict__
@@ -462,7 +485,14 @@ class _Generate:
 
 
 def memory_report(model_or_cache) -> MemoryReport:
-    """Real bytes of an HqeKV cache: of a cache, or of the last one a patched model used."""
+    """Real bytes of an HqeKV cache: of a cache, or of the last one a patched model used.
+
+    Prefer the cache: ``generate(..., return_dict_in_generate=True)`` and ``model(...)`` return
+    it (``out.cache``, or ``out.past_key_values`` before transformers 5.2x). Given a model,
+    this reports the last request *of the calling thread* (the cache of a generate call in
+    progress while it runs, then its final state), so two threads sharing one patched model
+    each get their own; a thread that has run nothing gets a ``ValueError``.
+    """
     if isinstance(model_or_cache, HqeKVCache):
         return model_or_cache.memory_report()
     record = getattr(model_or_cache, _RECORD, None)

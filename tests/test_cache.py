@@ -445,3 +445,25 @@ def test_large_magnitudes_are_kept_with_wide_dtypes(tiny):
         for _ in range(40):  # decode through a flush and a re-rank
             out = tiny(out.logits[:, -1:].argmax(-1), cache=cache, use_cache=True)
             assert torch.isfinite(out.logits).all()
+
+
+def test_memory_report_of_the_model_is_per_thread(tiny):
+    import threading
+
+    hqekv.patch_model(tiny, ratios=MIXED, value_group=16)
+    reports, barrier = {}, threading.Barrier(2)
+
+    def run(n_prompt, n_new):
+        barrier.wait()
+        greedy(tiny, prompt(n_prompt, seed=n_prompt), n_new)
+        barrier.wait()  # both finished before either reads its report
+        reports[n_prompt] = hqekv.memory_report(tiny).chunks["real_tokens"]
+
+    threads = [threading.Thread(target=run, args=a) for a in ((500, 200), (300, 20))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert reports == {500: 500 + 199, 300: 300 + 19}
+    with pytest.raises(ValueError, match="not run"):  # this thread ran nothing
+        hqekv.memory_report(tiny)
