@@ -17,8 +17,10 @@ import functools
 
 import torch
 
-EPS = 1e-6
-"""Guard on scale / std (fix: a constant group must round-trip, never NaN)."""
+EPS = float(torch.finfo(torch.float32).tiny)
+"""Guard on scale / std (fix: a constant group must round-trip, never NaN). The smallest
+normal float32, so that it only guards the division: a larger guard (it was 1e-6) coded
+every value of a small-magnitude, near-constant group as its minimum."""
 
 UNIFORM = "uniform"
 NORMALIZED = "normalized"
