@@ -184,15 +184,19 @@ class HqeKVConfig:
         element costs 16 bits whatever the model dtype (SPEC §1.1); "model" keeps the
         model dtype (an fp32 model's FP16 tier then reproduces the unpatched model bit for
         bit); or "float16", "bfloat16", "float32".
-    rotation : {"hadamard", None}, default "hadamard"
-        An orthogonal basis change of every head's keys, queries and values before they are
-        cached: a normalized Hadamard matrix (block-diagonal over the largest power of two
-        that divides the head dim). Scores q·k are unchanged (up to the rounding of the
-        rotated vectors to the model dtype), and the attention output is rotated back, so
-        only the quantization error changes: outlier channels stop owning
-        their groups' range and the low-bit tiers lose less (``docs/results.md``, ablation).
-        None is the paper's setting and, with ``fp_dtype="model"`` and all-FP16 ratios,
-        reproduces the unpatched model bit for bit.
+    rotation : {None, "hadamard"}, default None
+        None is the paper's setting: keys are quantized per channel as they come, after
+        RoPE. "hadamard" is an orthogonal basis change of every head's keys, queries and
+        values before they are cached: a normalized Hadamard matrix (block-diagonal over
+        the largest power of two that divides the head dim). Scores q·k are unchanged (up
+        to the rounding of the rotated vectors to the model dtype), and the attention output
+        is rotated back, so only the quantization error changes. It is an option, not the
+        default: it lowers the loss of uniform 2-bit keys on SmolLM2 but ties with the
+        calibrated ratios there, and it raises perplexity on Gemma-3-270M and
+        Qwen2.5-Coder-0.5B, whose per-channel key groups lose their outlier channels' own
+        ranges when the rotation spreads them (``docs/results.md``, ablation). With None,
+        ``fp_dtype="model"`` and all-FP16 ratios, the cache reproduces the unpatched model
+        bit for bit.
     importance : {"attention", "random"}, default "attention"
         What ranks the chunks: the paper's window-attention metrics, or "random", a control
         that keeps the tier counts and assigns chunks at random (a fixed hash of layer and
@@ -211,7 +215,7 @@ class HqeKVConfig:
     value_group: int = 64
     metadata_dtype: str | None = None
     fp_dtype: str | None = None
-    rotation: str | None = "hadamard"
+    rotation: str | None = None
     importance: str = "attention"
     key_ratios: TierRatios | None = None
     ratios_source: str = "explicit"

@@ -187,7 +187,7 @@ def patch_model(
     value_group: int = 64,
     metadata_dtype: str | None = None,
     fp_dtype: str | None = None,
-    rotation: str | None = "hadamard",
+    rotation: str | None = None,
     importance: str = "attention",
 ):
     """Make ``model`` keep its KV cache with HqeKV, in place; returns ``model``.

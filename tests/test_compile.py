@@ -53,7 +53,7 @@ def greedy(model, inputs: dict, new_tokens: int):
 
 def test_compiled_generate_equals_eager_and_compiles_decode_once():
     model = tiny_llama().to(DEVICE)
-    hqekv.patch_model(model, ratios=MIXED)
+    hqekv.patch_model(model, ratios=MIXED, rotation="hadamard")  # the rotated path compiles too
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(1, 128, (2, 50), generator=gen)
     mask = torch.ones_like(ids)

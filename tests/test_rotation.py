@@ -46,8 +46,8 @@ def test_rotate_then_unrotate_is_the_identity_and_keeps_dot_products(dtype):
 
 
 def test_config_validates_rotation_and_the_paper_setting_stays_reachable():
-    assert HqeKVConfig(ratios=TierRatios(int4=1.0), bavg=4).rotation == "hadamard"
-    assert HqeKVConfig(ratios=TierRatios(int4=1.0), bavg=4, rotation=None).rotation is None
+    assert HqeKVConfig(ratios=TierRatios(int4=1.0), bavg=4).rotation is None  # the paper's setting by default
+    assert HqeKVConfig(ratios=TierRatios(int4=1.0), bavg=4, rotation="hadamard").rotation == "hadamard"
     with pytest.raises(ValueError, match="rotation must be one of"):
         HqeKVConfig(ratios=TierRatios(int4=1.0), bavg=4, rotation="random")
 

@@ -11,9 +11,10 @@
   zero per group.
 - ``hqekv:B``: ``patch_model(model, B)``: calibrated ratios when an artifact fits,
   else the documented uncalibrated fallback (the result records which).
-- ``paper:B``: the paper's setting, ``patch_model(model, B, rotation=None)``: the same
-  ratios as ``hqekv:B``, unrotated (the ablation of ``docs/results.md``,
-  ``benchmarks/ablation.py``, adds the other variants).
+- ``paper:B``: the paper's setting, ``patch_model(model, B, rotation=None)`` (today the
+  default, so the same as ``hqekv:B``). ``rhqekv:B``: ``hqekv:B`` with the Hadamard
+  rotation (the default until it lost on Qwen2.5 and Gemma3; the ablation of
+  ``docs/results.md``, ``benchmarks/ablation.py``, adds the other variants).
 - ``random:B``: the control of the importance metric: the tier counts of ``hqekv:B``
   (same ratios, same protected chunks), chunks assigned at random
   (``importance="random"``).
@@ -34,7 +35,7 @@ from dataclasses import dataclass
 
 from ..config import TierRatios, check_bavg
 
-KINDS = ("fp16", "kivi", "rkivi", "evict", "hqekv", "random", "quanto", "paper")
+KINDS = ("fp16", "kivi", "rkivi", "evict", "hqekv", "rhqekv", "random", "quanto", "paper")
 KIVI_BITS = {4: "int4", 2: "int2", 1: "int1"}
 QUANTO_BITS = (2, 4)
 METADATA_BITS = 0.75
@@ -67,6 +68,8 @@ class Method:
             return {"bavg": self.bits, "importance": "random"}
         if self.kind == "paper":
             return {"bavg": self.bits, "rotation": None}
+        if self.kind == "rhqekv":
+            return {"bavg": self.bits, "rotation": "hadamard"}
         return {"bavg": self.bits}
 
     def new_cache(self, model):
@@ -105,8 +108,8 @@ def parse_method(spec: str) -> Method:
     match = re.fullmatch(r"([\w-]+)(?::([0-9.]+))?", spec.strip())
     if not match or match.group(1) not in KINDS:
         raise ValueError(
-            f"unknown method {spec!r}; use fp16, kivi:B or rkivi:B (B in 1, 2, 4), evict:B, hqekv:B, random:B, "
-            "quanto:B (B in 2, 4) or paper:B"
+            f"unknown method {spec!r}; use fp16, kivi:B or rkivi:B (B in 1, 2, 4), evict:B, hqekv:B, rhqekv:B, "
+            "random:B, quanto:B (B in 2, 4) or paper:B"
         )
     kind, bits = match.group(1), match.group(2)
     if kind == "fp16":
