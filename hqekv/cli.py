@@ -279,8 +279,8 @@ def check_args(args) -> None:
     if getattr(args, "model", None):
         from .models import PACKAGED
 
-        # a Hub id is owner/name; anything else that names no existing path cannot load
-        local = args.model.startswith((".", "/", "~")) or args.model.count("/") != 1
+        # a Hub id is name or owner/name; a path-like name that does not exist cannot load
+        local = args.model.startswith((".", "/", "~")) or args.model.count("/") > 1
         if args.model not in PACKAGED and local and not Path(args.model).expanduser().exists():
             raise ValueError(f"--model {args.model}: no such directory (nor a packaged model: {', '.join(PACKAGED)})")
 

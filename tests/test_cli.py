@@ -44,3 +44,9 @@ def test_unreachable_hub_is_one_line(monkeypatch, capsys):
     assert cli.main(["push", str(shipped_artifacts()[0]), "--repo", "someone/nothing"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("hqekv push:") and "offline" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("name", ["gpt2", "owner/model"])
+def test_hub_ids_are_not_mistaken_for_missing_paths(name):
+    args = cli.build_parser().parse_args(["eval", "--model", name, "--out", "x"])
+    cli.check_args(args)  # no error: these load from the Hub (or its cache)
