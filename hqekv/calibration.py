@@ -194,6 +194,9 @@ class CompressionObjective:
             cache = cache_for(self.config, model)
             model(self.context, cache=cache, use_cache=True, logits_to_keep=1)
         self.base = cache
+        if not cache.hqekv_layers:
+            raise ValueError("every attention layer of this model slides over a window: hqekv compresses none, "
+                             "so there are no ratios to calibrate")  # fmt: skip
         self.scores = []  # per HqeKV layer: score_k, score_v (1, C)
         self.encoded = []  # per HqeKV layer: keys, values {tier: every chunk at that tier}
         for layer in cache.hqekv_layers:  # sliding-window layers stay exact (hqekv.sliding)

@@ -177,3 +177,11 @@ def test_compiled_decode_equals_eager(family):
     compiled, per_step = compiled_generate(model, inputs, 70, "inductor")
     assert torch.equal(compiled, eager)
     assert per_step[-1] == per_step[1], per_step  # flushes and re-ranks compile nothing new
+
+
+def test_calibrating_a_model_with_no_global_layer_is_refused():
+    from hqekv.calibration import CompressionObjective
+
+    ids = prompt(100)
+    with pytest.raises(ValueError, match="no ratios to calibrate"):
+        CompressionObjective(tiny_model("mistral"), ids, ids[:, :20], value_group=16)
