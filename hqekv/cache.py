@@ -35,10 +35,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache
 
 from . import importance, kernels, policy
 from .config import HqeKVConfig
+from .layer_base import RowStateLayer
 from .kernels.mixed_attention import cached_tokens, gather_chunks
 from .policy import EVICTED, FP16, INT1, INT2, INT4, TIER_CODE_BITS, TIER_NAMES
 from .quantization import (
@@ -162,7 +163,7 @@ _ROW_STATE = (
 )  # fmt: skip
 
 
-class HqeKVLayer(CacheLayerMixin):
+class HqeKVLayer(RowStateLayer):
     """One attention layer's mixed-precision cache (SPEC §1.3–§1.4).
 
     Use through :meth:`attend`, which the patched attention calls: it attends the new
@@ -173,6 +174,7 @@ class HqeKVLayer(CacheLayerMixin):
     is_compileable = False
     is_sliding = False
     is_croppable = False
+    ROW_STATE = _ROW_STATE
 
     def __init__(self, config: HqeKVConfig, layer_idx: int | None = None):
         super().__init__()
@@ -224,39 +226,11 @@ class HqeKVLayer(CacheLayerMixin):
             "through a model patched with hqekv.patch_model (HqeKVLayer.attend)."
         )
 
-    def get_seq_length(self) -> int:
-        """Logical length: every token seen, evicted ones included, so position ids stay right."""
-        return self.seen
-
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.seen + query_length, 0
 
-    def get_max_length(self) -> int:
-        return -1
-
-    def reset(self) -> None:
-        self.seen = 0
-        self.has_tokens = False
-        self.is_initialized = False
-
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError("an HqeKV cache cannot be cropped: quantized and evicted tokens cannot be restored")
-
-    def _map_rows(self, fn) -> None:
-        if self.is_initialized:
-            for name in _ROW_STATE:
-                setattr(self, name, fn(getattr(self, name)))
-            self.batch_size = self.chunk_pos.shape[0]
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        """Rows may then share pool slots; the next rebuild gives each its own copy."""
-        self._map_rows(lambda t: t.index_select(0, beam_idx.to(t.device)))
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self._map_rows(lambda t: t.repeat_interleave(repeats, dim=0))
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._map_rows(lambda t: t[indices])
 
     # --- attention ---------------------------------------------------------------------------
 

@@ -18,9 +18,8 @@ validity mask (B, W − 1) that is False for padding and for slots not filled ye
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import CacheLayerMixin
-
 from .config import HqeKVConfig
+from .layer_base import RowStateLayer
 
 _ROW_STATE = ("keys", "values", "valid")
 
@@ -55,7 +54,7 @@ def window_attention(
     return out.reshape(b, hq, s, d).transpose(1, 2).to(query.dtype)
 
 
-class SlidingWindowLayer(CacheLayerMixin):
+class SlidingWindowLayer(RowStateLayer):
     """One sliding-window attention layer: the last ``window − 1`` tokens at full precision.
 
     Used through :meth:`attend`, like :class:`~hqekv.cache.HqeKVLayer`: the prefill is the
@@ -67,6 +66,7 @@ class SlidingWindowLayer(CacheLayerMixin):
     is_sliding = True
     is_compileable = False
     is_croppable = False
+    ROW_STATE = _ROW_STATE
 
     def __init__(self, config: HqeKVConfig, window: int, layer_idx: int | None = None):
         super().__init__()
@@ -96,38 +96,12 @@ class SlidingWindowLayer(CacheLayerMixin):
             "hqekv's sliding-window layer is used through a model patched with hqekv.patch_model (attend)"
         )
 
-    def get_seq_length(self) -> int:
-        return self.seen
-
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         """As ``DynamicSlidingWindowLayer``: the window's tokens plus the new ones."""
         return min(self.seen, self.window - 1) + query_length, max(self.seen - self.window + 1, 0)
 
-    def get_max_length(self) -> int:
-        return -1
-
-    def reset(self) -> None:
-        self.seen = 0
-        self.has_tokens = False
-        self.is_initialized = False
-
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError("an HqeKV cache cannot be cropped")
-
-    def _map_rows(self, fn) -> None:
-        if self.is_initialized:
-            for name in _ROW_STATE:
-                setattr(self, name, fn(getattr(self, name)))
-            self.batch_size = self.keys.shape[0]
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._map_rows(lambda t: t.index_select(0, beam_idx.to(t.device)))
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self._map_rows(lambda t: t.repeat_interleave(repeats, dim=0))
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._map_rows(lambda t: t[indices])
 
     def maintain(self) -> None:
         """Eager step before each forward: nothing to flush or re-rank, the window slides as
