@@ -1,7 +1,9 @@
 """Calibrated tier ratios as safetensors artifacts (SPEC §1.5, §2).
 
 One file per (model, bavg): a float64 tensor ``ratios`` = (fp16, δ1, δ2, δ3, δ4) (of the
-values, and of the keys unless an optional ``key_ratios`` tensor gives the keys' own) and string
+values, and of the keys unless an optional ``key_ratios`` tensor gives the keys' own; an
+optional (L, 5) ``layer_ratios`` tensor gives per-layer budgets, one row per global
+attention layer) and string
 metadata (JSON-encoded values): model id and config fingerprint, bavg, the cache settings
 it was calibrated for (G, m, T, ...), α, β, trials, best loss, the calibration data and its
 hash, library and format versions. Artifacts are found as a file, a directory, a Hub repo
@@ -21,7 +23,7 @@ from typing import Iterable
 
 import torch
 
-from .config import EVICTION_CRITERIA, MAX_BAVG, TierRatios, check_one_evicted_set, mean_bavg
+from .config import EVICTION_CRITERIA, MAX_BAVG, TierRatios, check_one_evicted_set, layer_mean_bavg, mean_bavg
 
 FORMAT = "hqekv-ratios"
 FORMAT_VERSION = 1
@@ -114,6 +116,7 @@ class Artifact:
     ratios: TierRatios
     metadata: dict
     key_ratios: TierRatios | None = None
+    layer_ratios: tuple[TierRatios, ...] | None = None
 
     @property
     def bavg(self) -> float:
@@ -131,7 +134,9 @@ class Artifact:
         if self.key_ratios is not None:
             lines[-1] = f"  value ratios: {self.ratios.describe()}  (bavg {self.ratios.bavg:.4g})"
             lines.append(f"  key ratios: {self.key_ratios.describe()}  (bavg {self.key_ratios.bavg:.4g})")
-        lines += [f"  {k}: {v}" for k, v in sorted(self.metadata.items())]
+        if self.layer_ratios is not None:
+            lines.append(f"  per-layer budgets (bits): {', '.join(f'{r.bavg:.2f}' for r in self.layer_ratios)}")
+        lines += [f"  {k}: {v}" for k, v in sorted(self.metadata.items()) if k != "layer_ratios"]
         return "\n".join(lines)
 
 
@@ -140,11 +145,14 @@ def artifact_filename(model_id: str, bavg: float) -> str:
     return f"{slug}-bavg{bavg:g}{SUFFIX}"
 
 
-def save_artifact(out: Path | str, ratios: TierRatios, metadata: dict, key_ratios: TierRatios | None = None) -> Path:
+def save_artifact(
+    out: Path | str, ratios: TierRatios, metadata: dict, key_ratios: TierRatios | None = None, layer_ratios=None
+) -> Path:
     """Write an artifact; ``out`` is a directory (file named after model id and bavg) or a file path.
 
     ``key_ratios``: the keys' own shares (``ratios`` are then the values'), stored as a
-    second tensor.
+    second tensor. ``layer_ratios``: per-layer budgets (one :class:`TierRatios` per global
+    attention layer, averaging ``metadata["bavg"]``), stored as an (L, 5) tensor.
     """
     from safetensors.torch import save_file
 
@@ -159,6 +167,15 @@ def save_artifact(out: Path | str, ratios: TierRatios, metadata: dict, key_ratio
             raise ArtifactError(str(err)) from err
         meta["key_ratios"] = list(key_ratios.as_tuple())
         tensors["key_ratios"] = torch.tensor(key_ratios.as_tuple(), dtype=torch.float64)
+    if layer_ratios is not None:
+        layer_ratios = [TierRatios.coerce(r) for r in layer_ratios]
+        if key_ratios is not None:
+            raise ArtifactError("an artifact holds key_ratios or layer_ratios, not both")
+        if abs(float(meta["bavg"]) - layer_mean_bavg(layer_ratios)) > 1e-3:
+            raise ArtifactError(f"layer ratios average {layer_mean_bavg(layer_ratios):.4g} bits, "
+                                f"metadata says bavg {meta['bavg']}")  # fmt: skip
+        meta["layer_ratios"] = [list(r.as_tuple()) for r in layer_ratios]
+        tensors["layer_ratios"] = torch.tensor([r.as_tuple() for r in layer_ratios], dtype=torch.float64)
     missing = [k for k in REQUIRED if k not in meta]
     if missing:
         raise ArtifactError(f"artifact metadata lacks {missing}")
@@ -219,6 +236,7 @@ def load_artifact(path: Path | str) -> Artifact:
             raw = f.metadata() or {}
             tensor = f.get_tensor("ratios") if "ratios" in f.keys() else None
             key_tensor = f.get_tensor("key_ratios") if "key_ratios" in f.keys() else None
+            layer_tensor = f.get_tensor("layer_ratios") if "layer_ratios" in f.keys() else None
     except Exception as err:  # safetensors raises its own error types for bad headers and truncation
         raise ArtifactError(f"{path} is not a readable safetensors file (corrupt or truncated?): {err}") from err
     try:
@@ -258,7 +276,27 @@ def load_artifact(path: Path | str) -> Artifact:
     mean = mean_bavg(ratios, key_ratios)
     if abs(mean - float(meta["bavg"])) > 1e-3:
         raise ArtifactError(f"{path}: ratios give bavg {mean:.4g} but the artifact is for bavg {meta['bavg']}")
-    return Artifact(path, ratios, meta, key_ratios)
+    layer_ratios = None
+    if layer_tensor is not None or "layer_ratios" in meta:
+        layer_ratios = _read_layer_ratios(path, layer_tensor, meta.get("layer_ratios"))
+        if key_ratios is not None:
+            raise ArtifactError(f"{path}: holds both key_ratios and layer_ratios: corrupt")
+        if abs(layer_mean_bavg(layer_ratios) - float(meta["bavg"])) > 1e-3:
+            raise ArtifactError(f"{path}: layer ratios average {layer_mean_bavg(layer_ratios):.4g} bits "
+                                f"but the artifact is for bavg {meta['bavg']}")  # fmt: skip
+    return Artifact(path, ratios, meta, key_ratios, layer_ratios)
+
+
+def _read_layer_ratios(path: Path, tensor, listed) -> tuple[TierRatios, ...]:
+    if tensor is None or tensor.dim() != 2 or tensor.shape[1] != 5 or tensor.shape[0] < 1 or tensor.dtype != torch.float64:
+        raise ArtifactError(f"{path}: expected a float64 tensor 'layer_ratios' of shape (layers, 5)")
+    rows = [tuple(row) for row in tensor.tolist()]
+    if listed != [list(row) for row in rows]:
+        raise ArtifactError(f"{path}: layer_ratios tensor disagrees with its metadata: corrupt")
+    try:
+        return tuple(TierRatios(*row) for row in rows)
+    except ValueError as err:
+        raise ArtifactError(f"{path}: invalid layer_ratios ({err})") from err
 
 
 def check_artifact(artifact: Artifact, fingerprint: str, bavg: float | None, settings: dict) -> None:
@@ -442,7 +480,9 @@ def model_card(artifacts: Iterable[Artifact], repo_id: str) -> str:
         lines.append(f"| ratios (fp16, δ1..δ4) | {', '.join(f'{r:.4f}' for r in a.ratios.as_tuple())} |")
         if a.key_ratios is not None:
             lines.append(f"| key ratios (fp16, δ1..δ4) | {', '.join(f'{r:.4f}' for r in a.key_ratios.as_tuple())} |")
-        lines += [f"| {k} | {v} |" for k, v in sorted(a.metadata.items()) if k not in ("ratios", "key_ratios")]
+        if a.layer_ratios is not None:
+            lines.append(f"| per-layer budgets (bits) | {', '.join(f'{r.bavg:.2f}' for r in a.layer_ratios)} |")
+        lines += [f"| {k} | {v} |" for k, v in sorted(a.metadata.items()) if k not in ("ratios", "key_ratios", "layer_ratios")]
         lines.append("")
     return "\n".join(lines)
 

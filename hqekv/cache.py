@@ -669,7 +669,8 @@ class HqeKVLayer(RowStateLayer):
 class HqeKVCache(Cache):
     """A ``transformers`` cache with one layer per attention layer of the model.
 
-    Global attention layers get an :class:`HqeKVLayer`; a layer whose entry in
+    Global attention layers get an :class:`HqeKVLayer` (the j-th of them with
+    ``config.for_layer(j)``: its own ratios under per-layer budgets); a layer whose entry in
     ``sliding_windows`` is a window W gets a :class:`~hqekv.sliding.SlidingWindowLayer` that
     keeps its last W − 1 tokens exactly (docs/architectures.md). Create one per request
     (``generate`` does it for a patched model); it holds all of that request's state.
@@ -681,7 +682,19 @@ class HqeKVCache(Cache):
         windows = [None] * num_layers if sliding_windows is None else list(sliding_windows)
         if len(windows) != num_layers:
             raise ValueError(f"{len(windows)} sliding windows given for {num_layers} layers")
-        layers = [HqeKVLayer(config, i) if w is None else SlidingWindowLayer(config, w, i) for i, w in enumerate(windows)]
+        n_global = windows.count(None)
+        if config.layer_ratios is not None and len(config.layer_ratios) != n_global:
+            raise ValueError(
+                f"layer_ratios give {len(config.layer_ratios)} per-layer budgets but this model has {n_global} "
+                "compressed (global attention) layers: per-layer ratios are made for one architecture"
+            )
+        layers, j = [], 0
+        for i, w in enumerate(windows):
+            if w is None:
+                layers.append(HqeKVLayer(config.for_layer(j), i))
+                j += 1
+            else:
+                layers.append(SlidingWindowLayer(config, w, i))
         super().__init__(layers=layers)
         self.config = config
         self.input_valid: torch.Tensor | None = None

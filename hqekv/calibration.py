@@ -220,11 +220,23 @@ class CompressionObjective:
     def n_chunks(self) -> int:
         return self.base.hqekv_layers[0].chunk_pos.shape[1]
 
-    def tiers(self, ratios: TierRatios, key_ratios: TierRatios | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    @property
+    def n_layers(self) -> int:
+        """Compressed (global attention) layers."""
+        return len(self.base.hqekv_layers)
+
+    def tiers(
+        self, ratios: TierRatios, key_ratios: TierRatios | None = None, layer_ratios: Sequence[TierRatios] | None = None
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """K and V tier (1, C) of each chunk of each layer right after the prefill, under
-        ``ratios`` (and the keys under ``key_ratios`` when given)."""
+        ``ratios`` (and the keys under ``key_ratios`` when given), or each layer under its
+        entry of ``layer_ratios``."""
+        if layer_ratios is not None and len(layer_ratios) != self.n_layers:
+            raise ValueError(f"{len(layer_ratios)} layer ratios for {self.n_layers} compressed layers")
         out = []
-        for layer, (score_k, score_v) in zip(self.base.hqekv_layers, self.scores):
+        for i, (layer, (score_k, score_v)) in enumerate(zip(self.base.hqekv_layers, self.scores)):
+            if layer_ratios is not None:
+                ratios = TierRatios.coerce(layer_ratios[i])
             valid = layer.chunk_pos >= 0
             out.append(
                 policy.assign_tiers(
@@ -243,13 +255,14 @@ class CompressionObjective:
             )
         return out
 
-    def compressed_cache(self, ratios: TierRatios, key_ratios: TierRatios | None = None) -> HqeKVCache:
-        """A cache holding the context as ``ratios`` (``key_ratios``) would compress it: the chunks' codes, per tier."""
+    def compressed_cache(self, ratios: TierRatios, key_ratios: TierRatios | None = None, layer_ratios=None) -> HqeKVCache:
+        """A cache holding the context as ``ratios`` (``key_ratios``, ``layer_ratios``) would
+        compress it: the chunks' codes, per tier."""
         ratios = TierRatios.coerce(ratios)
         key_ratios = None if key_ratios is None else TierRatios.coerce(key_ratios)
         windows = [getattr(layer, "window", None) for layer in self.base.layers]
         cache = HqeKVCache(self._trial_config, len(windows), windows)
-        trial = iter(zip(self.base.hqekv_layers, self.tiers(ratios, key_ratios), self.encoded))
+        trial = iter(zip(self.base.hqekv_layers, self.tiers(ratios, key_ratios, layer_ratios), self.encoded))
         for i, base in enumerate(self.base.layers):
             if isinstance(base, SlidingWindowLayer):
                 cache.layers[i] = base.copy()  # the continuation's forward slides it in place
@@ -258,21 +271,22 @@ class CompressionObjective:
                 cache.layers[i] = layer.with_tiers(self._trial_config, k_tier, v_tier, k_encoded, v_encoded)
         return cache
 
-    def _log_probs(self, ratios: TierRatios, key_ratios: TierRatios | None = None) -> torch.Tensor:
-        cache = self.compressed_cache(ratios, key_ratios)
+    def _log_probs(self, ratios: TierRatios, key_ratios: TierRatios | None = None, layer_ratios=None) -> torch.Tensor:
+        cache = self.compressed_cache(ratios, key_ratios, layer_ratios)
         with _patched(self.model, self.settings), torch.no_grad():
             logits = self.model(self.continuation, cache=cache, use_cache=True).logits
         return torch.log_softmax(logits[0].float(), dim=-1)
 
-    def kl(self, ratios: TierRatios | Sequence[float] | dict, key_ratios=None) -> float:
+    def kl(self, ratios: TierRatios | Sequence[float] | dict, key_ratios=None, layer_ratios=None) -> float:
         """Mean KL(FP16 ‖ compressed) of the next-token distributions at the same positions.
 
         ``key_ratios``: the keys' own tier shares (``ratios`` are then the values').
+        ``layer_ratios``: one set of shares per compressed layer instead of ``ratios``.
 
         fix: both distributions are taken at the same continuation positions (the reference
         code compares position t with t+1).
         """
-        kl = mean_kl(self.reference, self._log_probs(TierRatios.coerce(ratios), key_ratios))
+        kl = mean_kl(self.reference, self._log_probs(TierRatios.coerce(ratios), key_ratios, layer_ratios))
         if not math.isfinite(kl):
             raise FloatingPointError("the compressed model produced non-finite logits on the calibration text")
         return kl
@@ -320,13 +334,154 @@ class SegmentedObjective:
         self.settings, self.config = self.parts[0].settings, self.parts[0].config
         self.setup_seconds = sum(p.setup_seconds for p in self.parts)
 
-    def kls(self, ratios, key_ratios=None) -> list[float]:
-        """Mean KL of each segment's continuation."""
-        return [part.kl(ratios, key_ratios) for part in self.parts]
+    @property
+    def n_layers(self) -> int:
+        return self.parts[0].n_layers
 
-    def kl(self, ratios, key_ratios=None) -> float:
+    def kls(self, ratios, key_ratios=None, layer_ratios=None) -> list[float]:
+        """Mean KL of each segment's continuation."""
+        return [part.kl(ratios, key_ratios, layer_ratios) for part in self.parts]
+
+    def kl(self, ratios, key_ratios=None, layer_ratios=None) -> float:
         """Mean KL over the segments."""
-        return statistics.fmean(self.kls(ratios, key_ratios))
+        return statistics.fmean(self.kls(ratios, key_ratios, layer_ratios))
+
+
+LAYER_STRENGTHS = (0.25, 0.5, 0.75, 1.0, 1.5)
+"""Strengths γ of the per-layer split that :func:`layer_budgets` tries (γ = 0, one set of
+ratios for all layers, is always a candidate)."""
+
+
+def ratios_at(base: TierRatios, bits: float) -> TierRatios:
+    """Tier shares of budget ``bits`` on a path through ``base`` (per-layer budgets).
+
+    Below ``base.bavg`` every kept tier shrinks by the same factor and the rest is evicted
+    (a layer that needs less keeps fewer chunks, as in PyramidKV); above it the shares move
+    linearly towards all 4-bit (4 bits), then towards all FP16 (16 bits). Code bits are
+    linear along the path, so the result has exactly ``bits``.
+    """
+    bits = check_bavg(bits)
+    b = base.bavg
+    values = base.as_tuple()
+    if abs(bits - b) < 1e-12:
+        return base
+    if bits < b:
+        t = bits / b
+        kept = [v * t for v in values[:4]]
+        return TierRatios(*kept, 1 - sum(kept))
+    start, b0 = values, b
+    if b < 4:
+        if bits <= 4:
+            return _towards(values, (0.0, 1.0, 0.0, 0.0, 0.0), (bits - b) / (4 - b))
+        start, b0 = (0.0, 1.0, 0.0, 0.0, 0.0), 4.0
+    return _towards(start, (1.0, 0.0, 0.0, 0.0, 0.0), (bits - b0) / (16 - b0))
+
+
+def _towards(start, end, t: float) -> TierRatios:
+    mixed = [max(0.0, a + t * (e - a)) for a, e in zip(start, end)]
+    total = sum(mixed)
+    return TierRatios(*(v / total for v in mixed))
+
+
+def split_budget(bavg: float, sensitivity: Sequence[float], strength: float) -> list[float]:
+    """Per-layer budgets averaging ``bavg``: b_l = c + γ·½·log2(s_l / geomean(s)), clipped
+    to [bavg/4, min(16, 3·bavg)], with c set so that the mean is ``bavg``.
+
+    γ = 1 is the classic reverse water-filling of bits: if a layer's loss is s_l·4^(−b_l)
+    (each bit quarters the quantization noise power), that split minimises the sum. The
+    tiers' real curves differ (eviction is not quantization), so γ is searched.
+    """
+    bavg = check_bavg(bavg)
+    if strength < 0 or not math.isfinite(strength):
+        raise ValueError(f"strength must be a finite number >= 0, got {strength!r}")
+    logs = [math.log2(max(s, KL_FLOOR)) for s in sensitivity]
+    mean_log = statistics.fmean(logs)
+    d = [strength * 0.5 * (x - mean_log) for x in logs]
+    lo, hi = bavg / 4, min(16.0, 3 * bavg)
+
+    def budgets(c):
+        return [min(hi, max(lo, c + x)) for x in d]
+
+    a, z = lo - max(d), hi - min(d)  # the mean is lo at a and hi at z, monotone between
+    for _ in range(100):
+        c = (a + z) / 2
+        a, z = (c, z) if statistics.fmean(budgets(c)) < bavg else (a, c)
+    return budgets((a + z) / 2)
+
+
+@dataclass
+class LayerBudgets:
+    """What :func:`layer_budgets` found: per-layer ratios (None when one set for all won)."""
+
+    strength: float
+    layer_ratios: tuple[TierRatios, ...] | None
+    sensitivity: list[float]
+    search: list[dict]  # strength, bits (per layer), kl, kls, loss
+    seconds: float
+
+    def metadata(self) -> dict:
+        return {
+            "layer_strength": self.strength,
+            "layer_sensitivity": self.sensitivity,
+            "layer_search": [{k: v for k, v in row.items() if k != "kls"} for row in self.search],
+            "layer_seconds": round(self.seconds, 3),
+        }
+
+
+def layer_sensitivity(objective, ratios: TierRatios) -> list[float]:
+    """Mean KL with compressed layer l alone at ``ratios`` and every other layer FP16, per layer."""
+    n = objective.n_layers
+    out = []
+    for i in range(n):
+        layers = [FP16_RATIOS] * n
+        layers[i] = ratios
+        out.append(objective.kl(ratios, layer_ratios=layers))
+    return out
+
+
+def layer_budgets(
+    objective,
+    ratios: TierRatios,
+    *,
+    strengths: Sequence[float] = LAYER_STRENGTHS,
+    alpha: float = ALPHA,
+    beta: float = BETA,
+    kl_scale: str = "log",
+) -> LayerBudgets:
+    """Split the budget of ``ratios`` over the layers (issue: per-layer budgets).
+
+    1. Sensitivity: the KL with each compressed layer alone at ``ratios`` (one trial's cost
+       per layer, :func:`layer_sensitivity`).
+    2. For each strength γ in ``strengths``, budgets :func:`split_budget` and each layer's
+       shares :func:`ratios_at` on the path through ``ratios``; scored like a trial (mean
+       data term + α·δ3 + β·δ4, the shares averaged over layers), against γ = 0 (``ratios``
+       in every layer). The lowest loss wins.
+    """
+    ratios = TierRatios.coerce(ratios)
+    start = time.perf_counter()
+    kls_of = objective.kls if hasattr(objective, "kls") else (lambda r, **kw: [objective.kl(r, **kw)])
+    sensitivity = layer_sensitivity(objective, ratios)
+    bavg = ratios.bavg
+    search, best = [], None
+    for strength in (0.0, *strengths):
+        if strength == 0:
+            layers = None
+            kls = kls_of(ratios)
+            x3, x4 = ratios.int1, ratios.evict
+            bits = [bavg] * objective.n_layers
+        else:
+            bits = split_budget(bavg, sensitivity, strength)
+            layers = tuple(ratios_at(ratios, b) for b in bits)
+            kls = kls_of(ratios, layer_ratios=layers)
+            x3 = statistics.fmean(r.int1 for r in layers)
+            x4 = statistics.fmean(r.evict for r in layers)
+        loss = statistics.fmean(data_term(kl, kl_scale) for kl in kls) + alpha * x3 + beta * x4
+        row = {"strength": strength, "bits": bits, "kl": statistics.fmean(kls), "kls": kls, "loss": loss}
+        search.append(row)
+        if best is None or loss < best[0]["loss"]:
+            best = (row, layers)
+    row, layers = best
+    return LayerBudgets(row["strength"], layers, sensitivity, search, time.perf_counter() - start)
 
 
 def reference_style_kl(model, context: torch.Tensor, continuation: torch.Tensor, ratios, **settings) -> float:
@@ -364,12 +519,15 @@ class CalibrationResult:
     metadata: dict = field(default_factory=dict)
     path: Path | None = None
     key_ratios: TierRatios | None = None  # the keys' own shares (asymmetric search); ``ratios`` are the values'
+    layer_ratios: tuple[TierRatios, ...] | None = None  # per-layer budgets split from ``ratios`` (per_layer)
 
     def report(self) -> dict:
         return {
             "bavg": self.bavg,
             "ratios": dict(zip(TierRatios.names(), self.ratios.as_tuple())),
             "key_ratios": None if self.key_ratios is None else dict(zip(TierRatios.names(), self.key_ratios.as_tuple())),
+            "layer_ratios": None if self.layer_ratios is None
+            else [dict(zip(TierRatios.names(), r.as_tuple())) for r in self.layer_ratios],
             "best_loss": self.best_loss,
             "best_kl": self.best_kl,
             "trials": self.trials,
@@ -548,6 +706,7 @@ def calibrate(
     beta: float = BETA,
     kl_scale: str = "log",
     asymmetric: bool = False,
+    per_layer: bool = False,
     model_id: str | None = None,
     progress: bool = True,
     barrier=None,
@@ -586,6 +745,11 @@ def calibrate(
         Search separate key and value ratios under the one budget (:func:`run_study`).
         False searches one set for both, as the paper does; on SmolLM2 the separate search
         did not win at equal bytes (``docs/results.md``, ablation).
+    per_layer : bool, default False
+        After the search, split its budget over the layers by their measured sensitivity
+        (:func:`layer_budgets`: one trial's cost per layer plus one per strength tried) and
+        record the per-layer ratios in the artifact when the split lowers the loss. Not
+        with ``asymmetric``.
     model_id : str, optional
         Recorded in the artifact; defaults to the model's ``name_or_path``.
     barrier : callable, optional
@@ -605,6 +769,8 @@ def calibrate(
 
     if barrier is not None and storage is None:
         raise ValueError("workers that share a study need a shared storage URL")
+    if per_layer and asymmetric:
+        raise ValueError("per_layer and asymmetric cannot be combined: per-layer budgets hold for keys and values alike")
     data_term(1.0, kl_scale)
     single = not isinstance(bavg, (list, tuple))
     values = [check_bavg(b) for b in ([bavg] if single else bavg)]
@@ -642,6 +808,7 @@ def calibrate(
             "metadata_dtype": config.metadata_dtype,
             "fp_dtype": config.fp_dtype,
             "asymmetric": asymmetric,
+            "per_layer": per_layer,
             "alpha": alpha,
             "beta": beta,
             "kl_scale": kl_scale,
@@ -659,8 +826,16 @@ def calibrate(
             "setup_seconds": round(objective.setup_seconds, 3),
             "study_seconds": round(time.perf_counter() - start, 3),
         }
+        if per_layer:
+            budgets = layer_budgets(objective, result.ratios, alpha=alpha, beta=beta, kl_scale=kl_scale)
+            result.layer_ratios = budgets.layer_ratios
+            result.metadata.update(budgets.metadata())
+            chosen = min(budgets.search, key=lambda row: row["loss"])
+            result.best_loss, result.best_kl = chosen["loss"], chosen["kl"]
+            result.metadata.update(best_loss=result.best_loss, best_kl=result.best_kl)
         if out is not None:
-            result.path = save_artifact(Path(out), result.ratios, result.metadata, key_ratios=result.key_ratios)
+            result.path = save_artifact(Path(out), result.ratios, result.metadata, key_ratios=result.key_ratios,
+                                        layer_ratios=result.layer_ratios)  # fmt: skip
             write_report(result)
         results.append(result)
     return results[0] if single else results

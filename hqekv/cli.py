@@ -72,6 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--asymmetric", action="store_true",
         help="search key and value ratios apart under the one budget (default: one set for both, as the paper)",
     )  # fmt: skip
+    p.add_argument(
+        "--per-layer", action="store_true",
+        help="after the search, split the budget over the layers by their measured sensitivity (not with --asymmetric)",
+    )  # fmt: skip
     p.add_argument("--threads", type=int, help="torch CPU threads")
     p.add_argument("--no-progress", action="store_true")
     _add_settings_args(p)
@@ -125,6 +129,7 @@ def run_calibration(args, model, tokenizer, model_id: str, *, write: bool = True
         beta=args.beta,
         kl_scale=args.kl_scale,
         asymmetric=args.asymmetric,
+        per_layer=args.per_layer,
         rotation=None if args.rotation == "none" else args.rotation,
         model_id=args.model_id or model_id,
         progress=progress and not args.no_progress,
@@ -272,6 +277,8 @@ def check_args(args) -> None:
             if not math.isfinite(value) or value < 0:
                 raise ValueError(f"--{name} must be a finite number >= 0, got {value}")
         HqeKVConfig(ratios=FP16_RATIOS, bavg=16.0, **settings_from_args(args))  # validates the cache settings
+        if args.per_layer and args.asymmetric:
+            raise ValueError("--per-layer and --asymmetric cannot be combined: per-layer budgets hold for keys and values alike")
     elif args.command == "eval":
         from .eval.runner import check_request
 

@@ -109,6 +109,20 @@ def mean_bavg(ratios: TierRatios, key_ratios: TierRatios | None = None) -> float
     return ratios.bavg if key_ratios is None else (ratios.bavg + key_ratios.bavg) / 2
 
 
+def coerce_layer_ratios(layer_ratios) -> tuple[TierRatios, ...]:
+    """``layer_ratios`` as a tuple of :class:`TierRatios` (one per compressed layer), or raise."""
+    if isinstance(layer_ratios, (TierRatios, str, dict)) or not isinstance(layer_ratios, (list, tuple)):
+        raise TypeError(f"layer_ratios must be a sequence of tier ratios, one per compressed layer, got {layer_ratios!r}")
+    if not layer_ratios:
+        raise ValueError("layer_ratios is empty: give one set of tier ratios per compressed layer, or None")
+    return tuple(TierRatios.coerce(r) for r in layer_ratios)
+
+
+def layer_mean_bavg(layer_ratios: Sequence[TierRatios]) -> float:
+    """Average code bits per element over layers of equal size."""
+    return sum(r.bavg for r in layer_ratios) / len(layer_ratios)
+
+
 def check_one_evicted_set(ratios: TierRatios, key_ratios: TierRatios | None) -> None:
     """Raise ``ValueError`` unless keys and values evict the same share: a chunk leaves whole."""
     if key_ratios is not None and abs(key_ratios.evict - ratios.evict) > RATIO_TOLERANCE:
@@ -201,6 +215,12 @@ class HqeKVConfig:
         What ranks the chunks: the paper's window-attention metrics, or "random", a control
         that keeps the tier counts and assigns chunks at random (a fixed hash of layer and
         chunk, the same at every re-rank), to measure what the importance metric buys.
+    layer_ratios : sequence of TierRatios, optional
+        Per-layer budgets: one set of tier shares per compressed (global attention) layer,
+        in layer order, for keys and values alike; their bavg averages to ``bavg``.
+        ``ratios`` are then the shares the split started from (the searched one-for-all
+        ratios, :func:`hqekv.calibration.layer_budgets`). None: every layer uses ``ratios``
+        (the paper). Not combinable with ``key_ratios``.
     ratios_source : str
         Where the ratios came from ("explicit", "artifact:<path>", "uncalibrated").
     """
@@ -218,6 +238,7 @@ class HqeKVConfig:
     rotation: str | None = None
     importance: str = "attention"
     key_ratios: TierRatios | None = None
+    layer_ratios: tuple[TierRatios, ...] | None = None
     ratios_source: str = "explicit"
     version: int = field(default=CONFIG_VERSION)
 
@@ -228,6 +249,14 @@ class HqeKVConfig:
             object.__setattr__(self, "key_ratios", TierRatios.coerce(self.key_ratios))
         object.__setattr__(self, "bavg", check_bavg(self.bavg))
         check_one_evicted_set(self.ratios, self.key_ratios)
+        if self.layer_ratios is not None:
+            object.__setattr__(self, "layer_ratios", coerce_layer_ratios(self.layer_ratios))
+            if self.key_ratios is not None:
+                raise ValueError("layer_ratios and key_ratios cannot be combined: per-layer budgets hold for keys and values alike")
+            mean = layer_mean_bavg(self.layer_ratios)
+            if abs(mean - self.bavg) > 1e-3:
+                raise ValueError(f"layer_ratios average {mean:.4g} bits per element over their "
+                                 f"{len(self.layer_ratios)} layers, but bavg={self.bavg:g}")  # fmt: skip
         if abs(self.code_bavg - self.bavg) > 1e-3:
             what = f"ratios ({self.ratios.describe()})"
             if self.key_ratios is not None:
@@ -270,7 +299,18 @@ class HqeKVConfig:
         return mean_bavg(self.ratios, self.key_ratios)
 
     def describe_ratios(self) -> str:
+        if self.layer_ratios is not None:
+            bits = ", ".join(f"{r.bavg:.2f}" for r in self.layer_ratios)
+            return f"{len(self.layer_ratios)} per-layer budgets (bits {bits}) from {self.ratios.describe()}"
         return describe_ratios(self.ratios, self.key_ratios)
+
+    def for_layer(self, index: int) -> "HqeKVConfig":
+        """The settings of compressed layer ``index`` (counting global attention layers only):
+        this config, with that layer's ratios when ``layer_ratios`` is set."""
+        if self.layer_ratios is None:
+            return self
+        r = self.layer_ratios[index]
+        return dataclasses.replace(self, ratios=r, bavg=r.bavg, layer_ratios=None)
 
     def resolve_metadata_dtype(self, kv_dtype: torch.dtype) -> torch.dtype:
         if self.metadata_dtype is not None:
@@ -290,6 +330,8 @@ class HqeKVConfig:
         d["ratios"] = dict(zip(TierRatios.names(), self.ratios.as_tuple()))
         if self.key_ratios is not None:
             d["key_ratios"] = dict(zip(TierRatios.names(), self.key_ratios.as_tuple()))
+        if self.layer_ratios is not None:
+            d["layer_ratios"] = [dict(zip(TierRatios.names(), r.as_tuple())) for r in self.layer_ratios]
         return d
 
     @classmethod
@@ -301,4 +343,6 @@ class HqeKVConfig:
         d["ratios"] = TierRatios.coerce(d["ratios"])
         if d.get("key_ratios") is not None:
             d["key_ratios"] = TierRatios.coerce(d["key_ratios"])
+        if d.get("layer_ratios") is not None:
+            d["layer_ratios"] = coerce_layer_ratios(d["layer_ratios"])
         return cls(**d)

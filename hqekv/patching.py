@@ -9,7 +9,7 @@ import warnings
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -90,8 +90,9 @@ def _check_causal_lm(model) -> None:
         raise TypeError(f"patch_model supports decoder-only causal LMs, got encoder-decoder {type(model).__name__}")
 
 
-def resolve_config(model, bavg=None, ratios=None, artifact=None, key_ratios=None, **settings) -> HqeKVConfig:
-    """Ratios in order (SPEC §2): explicit ``ratios`` (and ``key_ratios``); ``artifact`` (file,
+def resolve_config(model, bavg=None, ratios=None, artifact=None, key_ratios=None, layer_ratios=None,
+                   **settings) -> HqeKVConfig:  # fmt: skip
+    """Ratios in order (SPEC §2): explicit ``ratios`` (and ``key_ratios`` or ``layer_ratios``); ``artifact`` (file,
     directory or Hub repo id); an artifact shipped in the package for this model and bavg;
     else the documented uncalibrated fallback, with an :class:`UncalibratedRatiosWarning`."""
     from . import artifacts
@@ -102,12 +103,17 @@ def resolve_config(model, bavg=None, ratios=None, artifact=None, key_ratios=None
         raise ValueError("pass either ratios= or artifact=, not both")
     if key_ratios is not None and ratios is None:
         raise ValueError("key_ratios= needs ratios= (the values' shares); an artifact carries its own key ratios")
+    if layer_ratios is not None and ratios is None:
+        raise ValueError("layer_ratios= needs ratios= (the shares they were split from); "
+                         "an artifact carries its own layer ratios")  # fmt: skip
     if ratios is not None:
         ratios = TierRatios.coerce(ratios)
         key_ratios = None if key_ratios is None else TierRatios.coerce(key_ratios)
+        if bavg is None:
+            bavg = mean_bavg(ratios, key_ratios)
         return HqeKVConfig(
-            ratios=ratios, key_ratios=key_ratios, bavg=mean_bavg(ratios, key_ratios) if bavg is None else bavg,
-            ratios_source="explicit", **settings,
+            ratios=ratios, key_ratios=key_ratios, layer_ratios=layer_ratios, bavg=bavg, ratios_source="explicit",
+            **settings,
         )
     fingerprint = artifacts.model_fingerprint(model)
     defaults = {f.name: f.default for f in dataclasses.fields(HqeKVConfig)}
@@ -115,15 +121,15 @@ def resolve_config(model, bavg=None, ratios=None, artifact=None, key_ratios=None
     if artifact is not None:
         found = artifacts.find_artifact(artifact, fingerprint, bavg, matched, default_bavg=DEFAULT_BAVG)
         return HqeKVConfig(
-            ratios=found.ratios, key_ratios=found.key_ratios, bavg=found.bavg, ratios_source=f"artifact:{found.path}",
-            **settings,
+            ratios=found.ratios, key_ratios=found.key_ratios, layer_ratios=found.layer_ratios, bavg=found.bavg,
+            ratios_source=f"artifact:{found.path}", **settings,
         )
     bavg = DEFAULT_BAVG if bavg is None else bavg
     shipped = artifacts.find_shipped(fingerprint, bavg, matched)
     if shipped is not None:
         return HqeKVConfig(
-            ratios=shipped.ratios, key_ratios=shipped.key_ratios, bavg=bavg, ratios_source=f"shipped:{shipped.path.name}",
-            **settings,
+            ratios=shipped.ratios, key_ratios=shipped.key_ratios, layer_ratios=shipped.layer_ratios, bavg=bavg,
+            ratios_source=f"shipped:{shipped.path.name}", **settings,
         )
     ratios = uncalibrated_ratios(bavg)
     name = getattr(model.config, "_name_or_path", "") or model.config.model_type
@@ -178,6 +184,7 @@ def patch_model(
     *,
     ratios: TierRatios | tuple | dict | None = None,
     key_ratios: TierRatios | tuple | dict | None = None,
+    layer_ratios: Sequence[TierRatios | tuple | dict] | None = None,
     artifact: str | Path | None = None,
     chunk_size: int = 32,
     window: int = 20,
@@ -202,6 +209,10 @@ def patch_model(
     key_ratios : same types, optional
         The keys' own tier shares (``ratios`` are then the values'); same evicted share,
         and ``bavg`` is the mean of the two budgets.
+    layer_ratios : sequence of the same types, optional
+        Per-layer budgets, one set of shares per global attention layer, for keys and values
+        (:class:`hqekv.HqeKVConfig`); needs ``ratios`` (the shares they were split from), and
+        ``bavg`` is their mean. Artifacts of ``hqekv calibrate --per-layer`` carry them.
     artifact : path or Hub repo id, optional
         Calibrated ratios (:mod:`hqekv.artifacts`): a ``.safetensors`` file, a directory or a
         Hub repo id holding one per bavg. With ``bavg`` None, a file's bavg is used, or a
@@ -229,6 +240,7 @@ def patch_model(
         ratios,
         artifact,
         key_ratios,
+        layer_ratios,
         chunk_size=chunk_size,
         window=window,
         rerank_interval=rerank_interval,
@@ -247,7 +259,13 @@ def patch_model(
             "divides it (e.g. value_group=32)"
         )
 
-    if all(w is not None for w in sliding_windows(text_config)):
+    n_global = sliding_windows(text_config).count(None)
+    if config.layer_ratios is not None and len(config.layer_ratios) != n_global:
+        raise ValueError(
+            f"{config.ratios_source} gives {len(config.layer_ratios)} per-layer budgets but this "
+            f"{text_config.model_type} model has {n_global} global attention layers"
+        )
+    if not n_global:
         warnings.warn(
             f"hqekv: every attention layer of this {text_config.model_type} model slides over a "
             f"{text_config.sliding_window}-token window; hqekv keeps sliding windows exact, so it compresses nothing here",

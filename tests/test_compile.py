@@ -3,6 +3,7 @@ attention, and no recompilation per decode step."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 from transformers import LogitsProcessor, LogitsProcessorList
@@ -51,9 +52,16 @@ def greedy(model, inputs: dict, new_tokens: int):
         return model.generate(**inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
 
 
-def test_compiled_generate_equals_eager_and_compiles_decode_once():
+PER_LAYER = (TierRatios(int4=0.6, int2=0.4), TierRatios(int2=0.2, int1=0.4, evict=0.4))  # 3.2 and 0.8 bits
+
+
+@pytest.mark.parametrize("setting", ["rotated", "per-layer"])
+def test_compiled_generate_equals_eager_and_compiles_decode_once(setting):
     model = tiny_llama().to(DEVICE)
-    hqekv.patch_model(model, ratios=MIXED, rotation="hadamard")  # the rotated path compiles too
+    if setting == "rotated":  # the rotated path compiles too
+        hqekv.patch_model(model, ratios=MIXED, rotation="hadamard")
+    else:  # each layer re-ranks at its own ratios, in the one decode graph
+        hqekv.patch_model(model, ratios=hqekv.uncalibrated_ratios(2.0), layer_ratios=PER_LAYER)
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(1, 128, (2, 50), generator=gen)
     mask = torch.ones_like(ids)

@@ -1,0 +1,198 @@
+"""Per-layer budgets: one set of tier ratios per compressed layer (config, cache, artifacts, calibration)."""
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+import hqekv
+from hqekv import FP16_RATIOS, HqeKVConfig, TierRatios
+from hqekv.artifacts import ArtifactError, load_artifact, save_artifact
+from hqekv.cache import EVICTED, FP16
+from hqekv.calibration import CompressionObjective, calibrate, layer_budgets, layer_sensitivity, ratios_at, split_budget
+
+from .conftest import tiny_llama
+from .test_artifacts import metadata
+from .test_calibration import CharTokenizer
+
+BASE = TierRatios(int4=0.5, int2=0.3, int1=0.1, evict=0.1)  # 2.7 bits
+
+
+def layers_for(bits):
+    return tuple(ratios_at(BASE, b) for b in bits)
+
+
+@pytest.mark.parametrize("bits", [0.3, 1.0, 2.0, 2.7, 3.5, 4.0, 6.0, 16.0])
+def test_ratios_at_gives_the_bits_asked_on_a_path_through_the_base(bits):
+    r = ratios_at(BASE, bits)
+    assert math.isclose(r.bavg, bits, abs_tol=1e-9) and math.isclose(sum(r.as_tuple()), 1.0, abs_tol=1e-9)
+    assert min(r.as_tuple()) >= 0
+    if bits < BASE.bavg:  # kept tiers shrink alike, the rest is evicted
+        t = bits / BASE.bavg
+        assert all(math.isclose(a, b * t) for a, b in zip(r.as_tuple()[:4], BASE.as_tuple()[:4]))
+    elif bits <= 4:  # towards all 4-bit: no FP16 yet, every lower tier shrinks
+        assert r.fp16 == 0 and r.int4 >= BASE.int4 and r.evict <= BASE.evict
+    else:
+        assert r.fp16 > 0 and r.int2 == r.int1 == r.evict == 0
+    assert ratios_at(BASE, BASE.bavg) == BASE
+
+
+def test_split_budget_averages_the_budget_and_follows_the_sensitivity():
+    sens = [0.5, 0.01, 0.04, 0.002]
+    assert split_budget(2.0, sens, 0.0) == pytest.approx([2.0] * 4)
+    bits = split_budget(2.0, sens, 1.0)
+    assert math.isclose(sum(bits) / 4, 2.0, abs_tol=1e-9)
+    assert bits[0] > bits[2] > bits[1] > bits[3]
+    # unclipped, γ = 1 is reverse water-filling: half a bit per doubling of the sensitivity
+    assert math.isclose(bits[2] - bits[1], 0.5 * math.log2(4), abs_tol=1e-9)
+    wide = split_budget(2.0, sens, 10.0)
+    assert min(wide) == pytest.approx(0.5) and max(wide) == pytest.approx(6.0)  # clipped to [bavg/4, 3·bavg]
+    assert math.isclose(sum(wide) / 4, 2.0, abs_tol=1e-9)
+    with pytest.raises(ValueError, match="strength"):
+        split_budget(2.0, sens, -1.0)
+
+
+def test_config_validates_layer_ratios_and_gives_each_layer_its_own():
+    layers = layers_for([1.7, 3.7])
+    config = HqeKVConfig(ratios=BASE, bavg=2.7, layer_ratios=layers)
+    assert config.for_layer(0).ratios == layers[0] and config.for_layer(1).bavg == pytest.approx(3.7)
+    assert config.for_layer(1).layer_ratios is None
+    assert HqeKVConfig.from_dict(config.to_dict()) == config
+    assert "per-layer" in config.describe_ratios()
+    with pytest.raises(ValueError, match="average"):
+        HqeKVConfig(ratios=BASE, bavg=2.7, layer_ratios=layers_for([1.7, 3.0]))
+    with pytest.raises(ValueError, match="cannot be combined"):
+        HqeKVConfig(ratios=BASE, key_ratios=BASE, bavg=2.7, layer_ratios=layers)
+    with pytest.raises(ValueError, match="empty"):
+        HqeKVConfig(ratios=BASE, bavg=2.7, layer_ratios=())
+    with pytest.raises(TypeError, match="sequence"):
+        HqeKVConfig(ratios=BASE, bavg=2.7, layer_ratios=BASE)
+
+
+@pytest.mark.filterwarnings("ignore:hqekv. this request stored")  # 400 tokens: the FP16 parts dominate
+def test_patched_model_compresses_each_layer_at_its_own_ratios():
+    model = tiny_llama(seed=2, layers=2)
+    layers = (TierRatios(int4=1.0), TierRatios(int2=0.7, evict=0.3))  # 4 and 1.4 bits: mean 2.7
+    hqekv.patch_model(model, ratios=BASE, layer_ratios=layers)
+    assert hqekv.patch_config(model).bavg == pytest.approx(2.7)
+    ids = torch.randint(1, 128, (1, 400), generator=torch.Generator().manual_seed(0))
+    out = model.generate(ids, max_new_tokens=8, do_sample=False, return_dict_in_generate=True)
+    cache = out.past_key_values
+    first, second = cache.layers
+    assert first.config.ratios == layers[0] and second.config.ratios == layers[1]
+    tiers = lambda layer: set(layer.k_tier[layer.chunk_pos >= 0].tolist())  # noqa: E731
+    assert tiers(first) == {FP16, 1} and int(first.n_evicted.sum()) == 0  # 4-bit and the protected FP16 chunks
+    assert int(second.n_evicted.sum()) > 0 and tiers(second) == {FP16, 2}
+    report = hqekv.memory_report(cache)
+    assert report.requested_bavg == pytest.approx(2.7)
+    hqekv.unpatch_model(model)
+    with pytest.raises(ValueError, match="2 global attention layers"):
+        hqekv.patch_model(model, ratios=BASE, layer_ratios=layers_for([2.7, 2.7, 2.7]))
+    with pytest.raises(ValueError, match="needs ratios"):
+        hqekv.patch_model(model, layer_ratios=layers)
+    assert not hqekv.is_patched(model)
+
+
+def test_artifact_round_trips_layer_ratios_and_rejects_defects(tmp_path):
+    model = tiny_llama(seed=2, layers=2)
+    layers = layers_for([1.7, 3.7])
+    path = save_artifact(tmp_path, BASE, metadata(model, bavg=2.7), layer_ratios=layers)
+    artifact = load_artifact(path)
+    assert artifact.layer_ratios == layers and artifact.ratios == BASE
+    assert "per-layer budgets" in artifact.describe()
+    hqekv.patch_model(model, artifact=path)
+    assert hqekv.patch_config(model).layer_ratios == layers
+    hqekv.unpatch_model(model)
+    with pytest.raises(ArtifactError, match="average"):
+        save_artifact(tmp_path / "b.safetensors", BASE, metadata(model, bavg=2.7), layer_ratios=layers_for([1.7, 3.0]))
+    with pytest.raises(ArtifactError, match="not both"):
+        save_artifact(tmp_path / "c.safetensors", BASE, metadata(model, bavg=2.7), key_ratios=BASE, layer_ratios=layers)
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(path), framework="pt") as f:
+        meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    tensors["layer_ratios"] = tensors["layer_ratios"].flip(0).contiguous()  # the tensor no longer matches the metadata
+    save_file(tensors, str(tmp_path / "d.safetensors"), metadata=meta)
+    with pytest.raises(ArtifactError, match="disagrees"):
+        load_artifact(tmp_path / "d.safetensors")
+    tensors["layer_ratios"] = tensors["layer_ratios"][:, :4].contiguous()
+    save_file(tensors, str(tmp_path / "e.safetensors"), metadata=meta)
+    with pytest.raises(ArtifactError, match="shape"):
+        load_artifact(tmp_path / "e.safetensors")
+
+
+@pytest.fixture(scope="module")
+def objective():
+    model = tiny_llama(seed=3, layers=3)
+    g = torch.Generator().manual_seed(0)
+    context = torch.randint(1, 128, (1, 300), generator=g)
+    continuation = torch.randint(1, 128, (1, 40), generator=g)
+    return CompressionObjective(model, context, continuation)
+
+
+def test_objective_scores_per_layer_ratios_as_a_patched_prefill_would(objective):
+    layers = (TierRatios(int2=1.0), FP16_RATIOS, TierRatios(int4=0.5, evict=0.5))
+    tiers = objective.tiers(BASE, layer_ratios=layers)
+    assert not bool((tiers[0][0] == FP16).all()) and int((tiers[0][0] == EVICTED).sum()) == 0
+    assert bool((tiers[1][0] == FP16).all())
+    assert int((tiers[2][0] == EVICTED).sum()) > 0
+    # the same per-layer cache as a real patched prefill, to the rounding
+    from hqekv.calibration import _patched
+    from hqekv.patching import cache_for
+
+    mean = sum(r.bavg for r in layers) / 3
+    config = HqeKVConfig(ratios=hqekv.uncalibrated_ratios(mean), bavg=mean, layer_ratios=layers)
+    model = objective.model
+    fast = objective.kl(BASE, layer_ratios=config.layer_ratios)
+    with _patched(model, {}), torch.no_grad():
+        cache = cache_for(config, model)
+        model(objective.context, cache=cache, use_cache=True, logits_to_keep=1)
+        logits = model(objective.continuation, cache=cache, use_cache=True).logits
+    full = float((objective.reference.exp() * (objective.reference - torch.log_softmax(logits[0].float(), -1))).sum(-1).mean())
+    assert fast > 0 and math.isclose(fast, full, rel_tol=1e-5), (fast, full)
+    with pytest.raises(ValueError, match="3 compressed layers"):
+        objective.tiers(BASE, layer_ratios=layers[:2])
+
+
+def test_layer_sensitivity_is_each_layer_alone(objective):
+    sens = layer_sensitivity(objective, TierRatios(int2=1.0))
+    assert len(sens) == 3 and all(s > 0 for s in sens)
+    first_alone = (TierRatios(int2=1.0), FP16_RATIOS, FP16_RATIOS)
+    assert sens[0] == objective.kl(BASE, layer_ratios=first_alone)
+
+
+def test_layer_budgets_keeps_the_lowest_loss_and_one_set_when_the_split_does_not_help(objective):
+    found = layer_budgets(objective, BASE, strengths=(0.5, 1.0))
+    assert [row["strength"] for row in found.search] == [0.0, 0.5, 1.0]
+    best = min(found.search, key=lambda row: row["loss"])
+    assert found.strength == best["strength"]
+    assert found.search[0]["kl"] == objective.kl(BASE)
+    for row in found.search:
+        assert math.isclose(sum(row["bits"]) / 3, BASE.bavg, abs_tol=1e-6)
+    if found.strength == 0:
+        assert found.layer_ratios is None
+    else:
+        assert [r.bavg for r in found.layer_ratios] == pytest.approx(best["bits"])
+    # a split the loss cannot prefer: a huge penalty on eviction makes γ = 0 win
+    penalised = layer_budgets(objective, BASE, strengths=(1.0,), beta=1e6)
+    assert penalised.strength == 0.0 and penalised.layer_ratios is None
+
+
+def test_calibrate_per_layer_writes_an_artifact_patch_model_uses(tmp_path):
+    model = tiny_llama(seed=1, layers=3)
+    result = calibrate(model, CharTokenizer(), 2.0, trials=4, out=tmp_path, context_tokens=320, continuation_tokens=32,
+                       progress=False, model_id="tiny/llama", per_layer=True)  # fmt: skip
+    meta = load_artifact(result.path).metadata
+    assert meta["per_layer"] is True and len(meta["layer_sensitivity"]) == 3
+    assert [row["strength"] for row in meta["layer_search"]][0] == 0.0
+    assert meta["best_loss"] == min(row["loss"] for row in meta["layer_search"])
+    artifact = load_artifact(result.path)
+    assert artifact.layer_ratios == result.layer_ratios
+    hqekv.patch_model(model, artifact=result.path)
+    assert hqekv.patch_config(model).layer_ratios == result.layer_ratios
+    hqekv.unpatch_model(model)
+    with pytest.raises(ValueError, match="cannot be combined"):
+        calibrate(model, CharTokenizer(), 2.0, trials=1, per_layer=True, asymmetric=True)
