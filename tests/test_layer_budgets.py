@@ -196,3 +196,20 @@ def test_calibrate_per_layer_writes_an_artifact_patch_model_uses(tmp_path):
     hqekv.unpatch_model(model)
     with pytest.raises(ValueError, match="cannot be combined"):
         calibrate(model, CharTokenizer(), 2.0, trials=1, per_layer=True, asymmetric=True)
+
+
+def test_eval_paper_method_uses_one_set_where_hqekv_uses_the_per_layer_budgets(tmp_path, monkeypatch):
+    from hqekv import artifacts
+    from hqekv.eval import parse_method
+
+    model = tiny_llama(seed=2, layers=2)
+    layers = layers_for([1.7, 3.7])
+    path = save_artifact(tmp_path, BASE, metadata(model, bavg=2.7, rotation=None), layer_ratios=layers)
+    monkeypatch.setattr(artifacts, "shipped_artifacts", lambda: [path])
+    with parse_method("hqekv:2.7").applied(model) as config:
+        assert config.layer_ratios == layers
+    with parse_method("paper:2.7").applied(model) as config:
+        assert config.layer_ratios is None and config.ratios == BASE and config.rotation is None
+    with parse_method("random:2.7").applied(model) as config:
+        assert config.layer_ratios == layers and config.importance == "random"
+    assert not hqekv.is_patched(model)

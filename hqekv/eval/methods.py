@@ -11,8 +11,8 @@
   zero per group.
 - ``hqekv:B``: ``patch_model(model, B)``: calibrated ratios when an artifact fits,
   else the documented uncalibrated fallback (the result records which).
-- ``paper:B``: the paper's setting, ``patch_model(model, B, rotation=None)`` (today the
-  default, so the same as ``hqekv:B``). ``rhqekv:B``: ``hqekv:B`` with the Hadamard
+- ``paper:B``: the paper's setting: the calibrated ratios of ``hqekv:B`` as one set for
+  every layer (without an artifact's per-layer budgets), no rotation. ``rhqekv:B``: ``hqekv:B`` with the Hadamard
   rotation (the default until it lost on Qwen2.5 and Gemma3; the ablation of
   ``docs/results.md``, ``benchmarks/ablation.py``, adds the other variants).
 - ``random:B``: the control of the importance metric: the tier counts of ``hqekv:B``
@@ -91,6 +91,12 @@ class Method:
             except ImportError as error:
                 raise ImportError("the quanto:B method needs optimum-quanto: pip install optimum-quanto") from error
         kwargs = self.patch_kwargs()
+        if self.kind == "paper":
+            from ..patching import resolve_config
+
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                kwargs = {**kwargs, "ratios": resolve_config(model, self.bits).ratios}  # one set, not per layer
         if kwargs is None:
             yield None
             return
