@@ -32,7 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from hqekv import kernels  # noqa: E402
 from hqekv.calibration import ratios_from_free  # noqa: E402
-from hqekv.kernels.mixed_attention import QUANTIZED_TIERS, TIER_FORMATS, gather_chunks  # noqa: E402
+from hqekv.kernels.mixed_attention import gather_chunks  # noqa: E402
+from hqekv.tiers import QUANTIZED_TIERS, TIER_FORMATS  # noqa: E402
 from hqekv import policy  # noqa: E402
 from hqekv.policy import FP16  # noqa: E402
 

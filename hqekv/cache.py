@@ -41,23 +41,10 @@ from . import importance, kernels, policy
 from .config import HqeKVConfig
 from .layer_base import RowStateLayer
 from .kernels.mixed_attention import cached_tokens, gather_chunks
-from .policy import EVICTED, FP16, INT1, INT2, INT4, TIER_CODE_BITS, TIER_NAMES
-from .quantization import (
-    NORMALIZED,
-    UNIFORM,
-)
 from .rotation import rotate, rotation_matrix, unrotate
 from .sliding import SlidingWindowLayer
+from .tiers import EVICTED, FP16, QUANTIZED_TIERS, TIER_CODE_BITS, TIER_FORMATS, TIER_NAMES
 
-
-@dataclass(frozen=True)
-class TierFormat:
-    bits: int
-    method: str
-
-
-TIER_FORMATS = {INT4: TierFormat(4, UNIFORM), INT2: TierFormat(2, UNIFORM), INT1: TierFormat(1, NORMALIZED)}
-QUANTIZED_TIERS = (INT4, INT2, INT1)
 KEY, VALUE = "k", "v"
 
 
@@ -87,11 +74,9 @@ class QuantizedPool:
 
 def encode_chunks(chunks: torch.Tensor, tier: int, component: str, value_group: int, meta_dtype: torch.dtype) -> QuantizedPool:
     """Quantize and pack chunks: (N, H, G, D) -> QuantizedPool at ``tier`` (``hqekv::quantize_pack``)."""
-    fmt = TIER_FORMATS[tier]
+    bits, normalized = TIER_FORMATS[tier]
     return QuantizedPool(
-        *kernels.call(
-            kernels.quantize_pack, chunks, fmt.bits, fmt.method == NORMALIZED, component == KEY, value_group, meta_dtype
-        )
+        *kernels.call(kernels.quantize_pack, chunks, bits, normalized, component == KEY, value_group, meta_dtype)
     )
 
 
@@ -99,10 +84,9 @@ def decode_chunks(
     pool: QuantizedPool, tier: int, component: str, chunk_size: int, head_dim: int, value_group: int, dtype: torch.dtype
 ) -> torch.Tensor:
     """Unpack and dequantize: QuantizedPool at ``tier`` -> (N, H, G, D) ``dtype`` (``hqekv::dequantize``)."""
-    fmt = TIER_FORMATS[tier]
-    normalized, per_channel = fmt.method == NORMALIZED, component == KEY
+    bits, normalized = TIER_FORMATS[tier]
     return kernels.call(
-        kernels.dequantize, *pool.tensors(), fmt.bits, normalized, per_channel, value_group, chunk_size, head_dim, dtype
+        kernels.dequantize, *pool.tensors(), bits, normalized, component == KEY, value_group, chunk_size, head_dim, dtype
     )
 
 

@@ -21,9 +21,10 @@ from typing import Sequence
 import torch
 
 from . import policy
-from .cache import KEY, QUANTIZED_TIERS, VALUE, HqeKVCache, encode_chunks
-from .sliding import SlidingWindowLayer
+from .cache import KEY, VALUE, HqeKVCache, encode_chunks
 from .config import FP16_RATIOS, HqeKVConfig, TierRatios, check_bavg
+from .sliding import SlidingWindowLayer
+from .tiers import QUANTIZED_TIERS
 
 ALPHA = 2.0
 BETA = 4.0

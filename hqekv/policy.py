@@ -5,11 +5,7 @@ from __future__ import annotations
 import torch
 
 from .config import TierRatios
-
-FP16, INT4, INT2, INT1, EVICTED = 0, 1, 2, 3, 4
-TIER_NAMES = ("fp16", "int4", "int2", "int1", "evicted")
-TIER_CODE_BITS = (16, 4, 2, 1, 0)
-"""Code bits per element of each tier as the paper counts them (FP16 counts 16)."""
+from .tiers import EVICTED, FP16, INT1, INT2, INT4, TIER_CODE_BITS, TIER_NAMES  # noqa: F401 (re-exported)
 
 
 def tier_counts(n_chunks: torch.Tensor, ratios: TierRatios) -> torch.Tensor:

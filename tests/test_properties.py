@@ -10,9 +10,9 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from hqekv.cache import KEY, TIER_FORMATS, VALUE, decode_chunks, encode_chunks  # noqa: E402
+from hqekv.cache import KEY, VALUE, decode_chunks, encode_chunks  # noqa: E402
 from hqekv.packing import pack_codes, unpack_codes  # noqa: E402
-from hqekv.policy import INT1, INT2, INT4  # noqa: E402
+from hqekv.tiers import INT1, INT2, INT4, TIERS  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # Largest magnitude per dtype that the format holds: a group's range (up to twice the
@@ -51,8 +51,7 @@ def test_round_trip_is_finite_in_range_and_within_half_a_step(case, tier, compon
     assert out.shape == x.shape and out.dtype == dtype
     assert torch.isfinite(out).all(), "finite input gave NaN/inf"
     assert torch.isfinite(pool.meta0.float()).all() and torch.isfinite(pool.meta1.float()).all()
-    fmt = TIER_FORMATS[tier]
-    if fmt.method == "uniform":
+    if TIERS[tier].method == "uniform":
         # per group: |x - x̂| <= scale/2, plus the rounding of the stored zero and of the output dtype
         groups = x.float().transpose(-1, -2) if component == KEY else x.float().reshape(n, h, g, d // group, group)
         rec = out.float().transpose(-1, -2) if component == KEY else out.float().reshape(n, h, g, d // group, group)
@@ -60,7 +59,7 @@ def test_round_trip_is_finite_in_range_and_within_half_a_step(case, tier, compon
         ulp = torch.finfo(dtype).eps * groups.abs().amax(-1, keepdim=True)
         # a step below the metadata dtype's normal range is stored with its subnormal spacing
         info = torch.finfo(meta_dtype)
-        floor = (2**fmt.bits - 1) * info.smallest_normal * info.eps
+        floor = (2**TIERS[tier].code_bits - 1) * info.smallest_normal * info.eps
         assert bool(((groups - rec).abs() <= scale / 2 + 2 * ulp + floor).all())
     else:  # normalized 1-bit: each value decodes to mean ± c·std of its own group
         assert bool((out.float() - x.float()).abs().amax() <= 4 * x.float().abs().amax() + 1e-30)

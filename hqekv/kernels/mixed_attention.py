@@ -28,7 +28,7 @@ import math
 
 import torch
 
-from ..policy import INT1, INT2, INT4
+from ..tiers import QUANTIZED_TIERS, TIER_FORMATS
 from ..packing import unpack_codes
 from ..quantization import normal_tables
 from ._triton import HAVE_TRITON, INTERPRET, next_power_of_2, require_triton
@@ -40,9 +40,6 @@ if HAVE_TRITON:
 
 POOL_ORDER = ("fp16", "int4.codes", "int4.meta0", "int4.meta1", "int2.codes", "int2.meta0", "int2.meta1",
               "int1.codes", "int1.meta0", "int1.meta1")  # fmt: skip
-TIER_FORMATS = {INT4: (4, False), INT2: (2, False), INT1: (1, True)}
-"""tier -> (bits, normalized): uniform 4 and 2 bits, normalized 1 bit (SPEC §1.1)."""
-QUANTIZED_TIERS = (INT4, INT2, INT1)
 
 
 def quantized_pool(pools: list[torch.Tensor], tier: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from hqekv.kernels.mixed_attention import QUANTIZED_TIERS, TIER_FORMATS
+from hqekv.tiers import QUANTIZED_TIERS, TIER_FORMATS
 from hqekv.kernels.quantize_pack import quantize_pack_reference
 
 
