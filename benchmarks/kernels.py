@@ -35,7 +35,7 @@ from hqekv.calibration import ratios_from_free  # noqa: E402
 from hqekv.kernels.mixed_attention import gather_chunks  # noqa: E402
 from hqekv.tiers import QUANTIZED_TIERS, TIER_FORMATS  # noqa: E402
 from hqekv import policy  # noqa: E402
-from hqekv.policy import FP16  # noqa: E402
+from hqekv.tiers import FP16  # noqa: E402
 
 HQ, HKV, D, G = 32, 8, 128, 32
 

@@ -40,7 +40,6 @@ from transformers.cache_utils import Cache
 from . import importance, kernels, policy
 from .config import HqeKVConfig
 from .layer_base import RowStateLayer
-from .kernels.mixed_attention import cached_tokens, gather_chunks
 from .rotation import rotate, rotation_matrix, unrotate
 from .sliding import SlidingWindowLayer
 from .tiers import EVICTED, FP16, QUANTIZED_TIERS, TIER_CODE_BITS, TIER_FORMATS, TIER_NAMES
@@ -391,13 +390,14 @@ class HqeKVLayer(RowStateLayer):
             (KEY, self.k_tier, self.k_slot, self.tail_k, new_keys),
             (VALUE, self.v_tier, self.v_slot, self.tail_v, new_values),
         ):
-            cached = gather_chunks(self._pool_list(component), tier, slot, component == KEY, self.value_group, self.dtype, tail)
+            pools = self._pool_list(component)
+            cached = kernels.gather_chunks(pools, tier, slot, component == KEY, self.value_group, self.dtype, tail)
             out.append(cached if new is None else torch.cat([cached, new], dim=2))
         ar = torch.arange(g, device=self.device)
         positions = torch.cat(
             [(self.chunk_pos[:, :, None] * g + ar).reshape(b, c * g), self.n_chunks[:, None] * g + ar], dim=1
         )
-        return out[0], out[1], positions, cached_tokens(self.chunk_pos >= 0, self.tail_len, g)
+        return out[0], out[1], positions, kernels.cached_tokens(self.chunk_pos >= 0, self.tail_len, g)
 
     def _append(self, query, key, value, new_valid) -> None:
         """Window, tail, flush of full chunks into FP16 slots, and re-ranking when due."""

@@ -22,7 +22,7 @@ import torch
 
 from . import policy
 from .cache import KEY, VALUE, HqeKVCache, encode_chunks
-from .config import FP16_RATIOS, HqeKVConfig, TierRatios, check_bavg
+from .config import CACHE_SETTINGS, FP16_RATIOS, HqeKVConfig, TierRatios, check_bavg
 from .sliding import SlidingWindowLayer
 from .tiers import QUANTIZED_TIERS
 
@@ -40,11 +40,6 @@ CALIBRATION_TOKENS = 16384
 """Calibration text in all, split into segments (the paper's 16K tokens)."""
 DEFAULT_SEGMENTS = 4
 CONTINUATION_TOKENS = 128
-CACHE_SETTINGS = (
-    "chunk_size", "window", "rerank_interval", "protected_chunks", "eviction", "value_group", "metadata_dtype", "fp_dtype",
-    "rotation",
-)  # fmt: skip
-"""HqeKVConfig fields a calibration is made for (everything but the ratios)."""
 SEARCH_ROTATION = None
 """The basis :func:`calibrate` searches in unless told: unrotated (``docs/calibration.md`` §4)."""
 
@@ -799,15 +794,7 @@ def calibrate(
             "model_type": model.config.get_text_config().model_type,
             "config_fingerprint": fingerprint,
             "bavg": b,
-            "chunk_size": config.chunk_size,
-            "window": config.window,
-            "rerank_interval": config.rerank_interval,
-            "protected_chunks": config.protected_chunks,
-            "eviction": config.eviction,
-            "value_group": config.value_group,
-            "rotation": config.rotation,
-            "metadata_dtype": config.metadata_dtype,
-            "fp_dtype": config.fp_dtype,
+            **{name: getattr(config, name) for name in CACHE_SETTINGS},
             "asymmetric": asymmetric,
             "per_layer": per_layer,
             "alpha": alpha,

@@ -22,18 +22,23 @@ def _add_model_args(p: argparse.ArgumentParser, required: bool = True) -> None:
 
 
 def _add_settings_args(p: argparse.ArgumentParser) -> None:
+    from .artifacts import MATCHED_SETTINGS
+    from .config import DEFAULTS, EVICTION_CRITERIA
+
     g = p.add_argument_group("cache settings (HqeKVConfig)")
-    g.add_argument("--chunk-size", type=int, default=32)
-    g.add_argument("--window", type=int, default=20)
-    g.add_argument("--rerank-interval", type=int, default=32)
-    g.add_argument("--protected-chunks", type=int, default=2)
-    g.add_argument("--eviction", choices=("joint", "key", "value"), default="joint")
-    g.add_argument("--value-group", type=int, default=64)
+    for name in MATCHED_SETTINGS:
+        flag = "--" + name.replace("_", "-")
+        if name == "eviction":
+            g.add_argument(flag, choices=EVICTION_CRITERIA, default=DEFAULTS[name])
+        else:
+            g.add_argument(flag, type=int, default=DEFAULTS[name])
 
 
 def settings_from_args(args) -> dict:
-    names = ("chunk_size", "window", "rerank_interval", "protected_chunks", "eviction", "value_group")
-    return {n: getattr(args, n) for n in names}
+    """The cache settings an artifact is matched on (``MATCHED_SETTINGS``), from the arguments."""
+    from .artifacts import MATCHED_SETTINGS
+
+    return {n: getattr(args, n) for n in MATCHED_SETTINGS}
 
 
 def build_parser() -> argparse.ArgumentParser:

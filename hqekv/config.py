@@ -346,3 +346,12 @@ class HqeKVConfig:
         if d.get("layer_ratios") is not None:
             d["layer_ratios"] = coerce_layer_ratios(d["layer_ratios"])
         return cls(**d)
+
+
+RATIO_FIELDS = ("ratios", "bavg", "key_ratios", "layer_ratios")
+"""HqeKVConfig fields that say how many bits go where: what a calibration finds."""
+RUNTIME_FIELDS = ("importance", "ratios_source", "version")
+"""HqeKVConfig fields that are neither ratios nor a setting a calibration is made for."""
+CACHE_SETTINGS = tuple(f.name for f in dataclasses.fields(HqeKVConfig) if f.name not in RATIO_FIELDS + RUNTIME_FIELDS)
+"""Every other field: how the cache stores what the ratios assign (chunk size, window, ...)."""
+DEFAULTS = {f.name: f.default for f in dataclasses.fields(HqeKVConfig) if f.name in CACHE_SETTINGS + RUNTIME_FIELDS}

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import threading
 import warnings
@@ -14,7 +13,7 @@ from typing import Any, Sequence
 import torch
 
 from .cache import HqeKVCache
-from .config import HqeKVConfig, TierRatios, check_bavg, mean_bavg, uncalibrated_ratios
+from .config import DEFAULTS, HqeKVConfig, TierRatios, check_bavg, mean_bavg, uncalibrated_ratios
 from .memory import OVER_BUDGET_WARNING, MemoryReport
 from .patches import PatchedAttention, attention_classes, sliding_windows
 
@@ -116,8 +115,7 @@ def resolve_config(model, bavg=None, ratios=None, artifact=None, key_ratios=None
             **settings,
         )
     fingerprint = artifacts.model_fingerprint(model)
-    defaults = {f.name: f.default for f in dataclasses.fields(HqeKVConfig)}
-    matched = {k: settings.get(k, defaults[k]) for k in artifacts.MATCHED_SETTINGS}
+    matched = {k: settings.get(k, DEFAULTS[k]) for k in artifacts.MATCHED_SETTINGS}
     if artifact is not None:
         found = artifacts.find_artifact(artifact, fingerprint, bavg, matched, default_bavg=DEFAULT_BAVG)
         return HqeKVConfig(

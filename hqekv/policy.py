@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .config import TierRatios
-from .tiers import EVICTED, FP16, INT1, INT2, INT4, TIER_CODE_BITS, TIER_NAMES  # noqa: F401 (re-exported)
+from .tiers import EVICTED, FP16, INT1, INT2, INT4
 
 
 def tier_counts(n_chunks: torch.Tensor, ratios: TierRatios) -> torch.Tensor:

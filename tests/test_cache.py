@@ -7,7 +7,7 @@ import torch
 
 import hqekv
 from hqekv.patching import output_cache
-from hqekv.policy import EVICTED, FP16
+from hqekv.tiers import EVICTED, FP16
 from tests.conftest import stored_bytes, tiny_llama
 
 MIXED = hqekv.TierRatios(int4=0.3, int2=0.3, int1=0.2, evict=0.2)

@@ -88,7 +88,7 @@ def test_compressed_cache_holds_the_assigned_tiers(objective_setup):
     ratios = ratios_from_free(2.0, 0.3, 0.2)
     cache = objective.compressed_cache(ratios)
     for layer, (k_tier, _) in zip(cache.layers, objective.tiers(ratios)):
-        n_evicted = int((k_tier == hqekv.policy.EVICTED).sum())
+        n_evicted = int((k_tier == hqekv.tiers.EVICTED).sum())
         assert n_evicted > 0
         assert int(layer.n_evicted) == n_evicted
         assert layer.chunk_pos.shape[1] == objective.n_chunks - n_evicted

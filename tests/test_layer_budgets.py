@@ -1,6 +1,5 @@
 """Per-layer budgets: one set of tier ratios per compressed layer (config, cache, artifacts, calibration)."""
 
-import dataclasses
 import math
 
 import pytest

@@ -2,7 +2,8 @@ import pytest
 import torch
 
 from hqekv.config import FP16_RATIOS, HqeKVConfig, TierRatios, uncalibrated_ratios
-from hqekv.policy import EVICTED, FP16, INT1, INT2, INT4, assign_tiers, tier_counts
+from hqekv.policy import assign_tiers, tier_counts
+from hqekv.tiers import EVICTED, FP16, INT1, INT2, INT4
 
 
 @pytest.mark.parametrize("bavg", [0.5, 1.0, 1.5, 2.0, 2.8, 3.2, 3.25, 4.0, 8.0, 16.0])

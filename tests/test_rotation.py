@@ -9,7 +9,7 @@ import hqekv
 from hqekv.cache import VALUE, decode_chunks, encode_chunks
 from hqekv.config import HqeKVConfig, TierRatios
 from hqekv.patching import output_cache
-from hqekv.policy import INT1, INT2
+from hqekv.tiers import INT1, INT2
 from hqekv.rotation import hadamard_block, rotate, rotation_matrix, unrotate
 
 
