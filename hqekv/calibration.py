@@ -828,3 +828,54 @@ def calibrate(
         results.append(result)
     return results[0] if single else results
 
+
+
+def split_artifact(model, tokenizer, artifact, *, out: str | Path | None = None, strengths: Sequence[float] = LAYER_STRENGTHS,
+                   progress: bool = True) -> CalibrationResult:  # fmt: skip
+    """Per-layer budgets (:func:`layer_budgets`) for the ratios of an existing artifact,
+    without re-running its search: what ``calibrate(..., per_layer=True)`` adds after the
+    search, on the same calibration text, settings, α, β and data term as the artifact's.
+
+    ``artifact``: a path or :class:`~hqekv.artifacts.Artifact` of one set of ratios for
+    ``model`` (fingerprint checked). Writes the new artifact to ``out`` (a directory or
+    ``.safetensors`` path) when given: the artifact's metadata plus the per-layer fields
+    (``per_layer``, ``layer_strength``, ``layer_sensitivity``, ``layer_search``,
+    ``layer_seconds``, ``split_from``). Takes one trial's time per layer plus one per strength.
+    """
+    from . import __version__
+    import json
+
+    from .artifacts import Artifact, ArtifactError, load_artifact, model_fingerprint, report_path, save_artifact, write_report
+    from .data import calibration_text
+
+    base = artifact if isinstance(artifact, Artifact) else load_artifact(artifact)
+    meta = dict(base.metadata)
+    if base.key_ratios is not None or base.layer_ratios is not None or meta.get("per_layer"):
+        raise ArtifactError(f"{base.path} already splits its ratios (keys apart, or per layer); split one set of ratios")
+    if base.fingerprint != model_fingerprint(model):
+        raise ArtifactError(f"{base.path} was calibrated for {meta['model_id']!r}, not for this model")
+    segments = meta.get("segments", 1)
+    context_tokens, continuation_tokens = meta.get("context_tokens"), meta.get("continuation_tokens")
+    if not (isinstance(context_tokens, int) and isinstance(continuation_tokens, int) and isinstance(segments, int)):
+        raise ArtifactError(f"{base.path} does not record its calibration text's segments and lengths")
+    text = calibration_text(tokenizer, context_tokens, continuation_tokens, segments)
+    if text.sha256 != meta["calibration_data_sha256"]:
+        raise ArtifactError(f"{base.path} was calibrated on other text (sha256 {meta['calibration_data_sha256'][:12]}) than "
+                            f"this tokenizer gives ({text.sha256[:12]})")  # fmt: skip
+    settings = {name: meta[name] for name in CACHE_SETTINGS if name in meta}
+    objective = SegmentedObjective(model, text.context, text.continuation, **settings)
+    kl_scale = meta.get("kl_scale", "log")
+    budgets = layer_budgets(objective, base.ratios, strengths=strengths, alpha=meta["alpha"], beta=meta["beta"],
+                            kl_scale=kl_scale)  # fmt: skip
+    chosen = min(budgets.search, key=lambda row: row["loss"])
+    meta.update(budgets.metadata(), per_layer=True, best_loss=chosen["loss"], best_kl=chosen["kl"],
+                split_from=base.path.name, library_version=__version__)  # fmt: skip
+    meta.pop("format", None), meta.pop("format_version", None), meta.pop("ratios", None)
+    report = report_path(base.path)
+    history = json.loads(report.read_text()).get("history", []) if report.is_file() else []  # the search's trials
+    result = CalibrationResult(bavg=base.bavg, ratios=base.ratios, best_loss=chosen["loss"], best_kl=chosen["kl"],
+                               trials=meta["trials"], history=history, metadata=meta, layer_ratios=budgets.layer_ratios)  # fmt: skip
+    if out is not None:
+        result.path = save_artifact(Path(out), result.ratios, meta, layer_ratios=result.layer_ratios)
+        write_report(result)
+    return result

@@ -85,6 +85,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true")
     _add_settings_args(p)
 
+    p = sub.add_parser("split", help="per-layer budgets for the ratios of an existing artifact (no new search)")
+    _add_model_args(p)
+    p.add_argument("artifact", help="an artifact file of one set of ratios for --model")
+    p.add_argument("--out", default="artifacts", help="directory for the new artifact and its report (default %(default)s)")
+    p.add_argument("--threads", type=int, help="torch CPU threads")
+
     p = sub.add_parser("eval", help="score KV-cache methods on tasks at equal memory: JSON, markdown table, plots")
     _add_model_args(p)
     p.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS),
@@ -160,6 +166,22 @@ def _calibrate(args) -> int:
     model, tokenizer, model_id = load_model(args.model, args.gguf_file)
     print_calibration(run_calibration(args, model, tokenizer, model_id))
     print(f"study storage: {calibration_storage(args)}")
+    return 0
+
+
+def _split(args) -> int:
+    import torch
+
+    from .calibration import split_artifact
+    from .models import load_model
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, tokenizer, _ = load_model(args.model, args.gguf_file)
+    result = split_artifact(model, tokenizer, args.artifact, out=Path(args.out))
+    bits = ", ".join(f"{r.bavg:.2f}" for r in result.layer_ratios) if result.layer_ratios else "one set wins"
+    print(f"bavg={result.bavg:g}: strength {result.metadata['layer_strength']:g}, KL {result.best_kl:.5f} "
+          f"(one set: {result.metadata['layer_search'][0]['kl']:.5f}); per-layer bits {bits} -> {result.path}")  # fmt: skip
     return 0
 
 
@@ -284,6 +306,10 @@ def check_args(args) -> None:
         HqeKVConfig(ratios=FP16_RATIOS, bavg=16.0, **settings_from_args(args))  # validates the cache settings
         if args.per_layer and args.asymmetric:
             raise ValueError("--per-layer and --asymmetric cannot be combined: per-layer budgets hold for keys and values alike")
+    elif args.command == "split":
+        from .artifacts import load_artifact
+
+        load_artifact(args.artifact)  # a missing or corrupt file fails here, not after the model loads
     elif args.command == "eval":
         from .eval.runner import check_request
 
@@ -308,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"hqekv {args.command}: {err}", file=sys.stderr)
         return 2
     try:
-        return {"calibrate": _calibrate, "eval": _eval, "info": _info, "push": _push}[args.command](args)
+        return {"calibrate": _calibrate, "split": _split, "eval": _eval, "info": _info, "push": _push}[args.command](args)
     except ArtifactError as err:
         print(f"hqekv {args.command}: {err}", file=sys.stderr)
         return 2

@@ -16,6 +16,8 @@ BAD = [
     (["calibrate", "--model", "smollm2", "--bavg", "2", "--beta", "-1"], "--beta"),
     (["calibrate", "--model", "smollm2", "--bavg", "2", "--chunk-size", "0"], "chunk_size"),
     (["eval", "--model", "/nonexistent", "--out", "x"], "no such directory"),
+    (["calibrate", "--model", "smollm2", "--bavg", "2", "--per-layer", "--asymmetric"], "cannot be combined"),
+    (["split", "--model", "smollm2", "/nonexistent.safetensors"], "file not found"),
 ]
 
 

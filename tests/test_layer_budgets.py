@@ -212,3 +212,27 @@ def test_eval_paper_method_uses_one_set_where_hqekv_uses_the_per_layer_budgets(t
     with parse_method("random:2.7").applied(model) as config:
         assert config.layer_ratios == layers and config.importance == "random"
     assert not hqekv.is_patched(model)
+
+
+def test_split_artifact_adds_per_layer_budgets_to_an_existing_search(tmp_path):
+    from hqekv import cli
+    from hqekv.calibration import split_artifact
+
+    model = tiny_llama(seed=1, layers=3)
+    kwargs = dict(context_tokens=320, continuation_tokens=32, progress=False, model_id="tiny/llama")
+    searched = calibrate(model, CharTokenizer(), 2.0, trials=4, out=tmp_path / "one", **kwargs)
+    together = calibrate(model, CharTokenizer(), 2.0, trials=4, per_layer=True, **kwargs)
+    split = split_artifact(model, CharTokenizer(), searched.path, out=tmp_path / "split")
+    # the same ratios, sensitivities and choice as the search with per_layer=True
+    assert split.ratios == searched.ratios == together.ratios
+    assert split.layer_ratios == together.layer_ratios
+    assert split.metadata["layer_sensitivity"] == together.metadata["layer_sensitivity"]
+    artifact = load_artifact(split.path)
+    assert artifact.metadata["split_from"] == searched.path.name and artifact.metadata["trials"] == 4
+    assert artifact.metadata["study_name"] == load_artifact(searched.path).metadata["study_name"]
+    assert len(split.history) == len(searched.history)  # the report keeps the search's trials
+    with pytest.raises(ArtifactError, match="already splits"):
+        split_artifact(model, CharTokenizer(), split.path)
+    with pytest.raises(ArtifactError, match="not for this model"):
+        split_artifact(tiny_llama(seed=1, layers=2), CharTokenizer(), searched.path)
+    assert cli.main(["split", "--model", "smollm2", str(split.path)]) == 2  # checked before any model loads
