@@ -1,11 +1,12 @@
-"""What hqekv adds to the paper, on and off at equal bytes: the rotation and separate key/value ratios.
+"""What hqekv adds to the paper, on and off at equal bytes: per-layer budgets, the rotation, separate key/value ratios.
 
     python benchmarks/ablation.py --only-length 4096 --out docs/results/ablation \
         --methods fp16 kivi:2 rkivi:2 paper:2 hqekv:2 symrot:2 asym:2 asymrot:2 paper:3.2 hqekv:3.2 asym:3.2 asymrot:3.2
 
 Runs ``hqekv eval``'s needle and perplexity tasks on SmolLM2 (fp32) for each setting
-(:data:`ROWS`): ``paper:B`` (no rotation, the shipped ratios), ``hqekv:B`` (the
-defaults: the same ratios, rotated), and variants whose ratios come from studies run in
+(:data:`ROWS`): ``paper:B`` (the shipped ratios as one set for every layer, no rotation),
+``hqekv:B`` (the defaults: the shipped per-layer budgets split from that set),
+``rhqekv:B`` / ``rpaper:B`` (per-layer / one set, rotated), and variants whose ratios come from studies run in
 another setting, kept in ``docs/results/ablation/artifacts/`` (:data:`VARIANTS`):
 ``symrot:B`` (one set of ratios searched rotated), ``asym:B`` / ``asymrot:B`` (key and
 value ratios searched apart, rotated, used without / with the rotation); ``kivi:2`` and
@@ -60,8 +61,10 @@ def make_method(spec: str) -> Method:
 
 ROWS = {
     # kind: (rotation, ratios)
-    "paper": ("off", "shipped: one set for K and V, searched unrotated (the paper)"),
-    "hqekv": ("on", "shipped: one set for K and V, searched unrotated (the default)"),
+    "paper": ("off", "shipped: one set for every layer, K and V, searched unrotated (the paper)"),
+    "hqekv": ("off", "shipped: per-layer budgets split from that set (the default)"),
+    "rhqekv": ("on", "shipped: per-layer budgets split from that set"),
+    "rpaper": ("on", "shipped: one set for every layer, searched unrotated"),
     "symrot": ("on", "one set for K and V, searched rotated"),
     "asym": ("off", "K and V apart, searched rotated"),
     "asymrot": ("on", "K and V apart, searched rotated"),

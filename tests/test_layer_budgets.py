@@ -209,6 +209,8 @@ def test_eval_paper_method_uses_one_set_where_hqekv_uses_the_per_layer_budgets(t
         assert config.layer_ratios == layers
     with parse_method("paper:2.7").applied(model) as config:
         assert config.layer_ratios is None and config.ratios == BASE and config.rotation is None
+    with parse_method("rpaper:2.7").applied(model) as config:
+        assert config.layer_ratios is None and config.ratios == BASE and config.rotation == "hadamard"
     with parse_method("random:2.7").applied(model) as config:
         assert config.layer_ratios == layers and config.importance == "random"
     assert not hqekv.is_patched(model)

@@ -12,7 +12,8 @@
 - ``hqekv:B``: ``patch_model(model, B)``: calibrated ratios when an artifact fits,
   else the documented uncalibrated fallback (the result records which).
 - ``paper:B``: the paper's setting: the calibrated ratios of ``hqekv:B`` as one set for
-  every layer (without an artifact's per-layer budgets), no rotation. ``rhqekv:B``: ``hqekv:B`` with the Hadamard
+  every layer (without an artifact's per-layer budgets), no rotation; ``rpaper:B`` the same,
+  rotated. ``rhqekv:B``: ``hqekv:B`` with the Hadamard
   rotation (the default until it lost on Qwen2.5 and Gemma3; the ablation of
   ``docs/results.md``, ``benchmarks/ablation.py``, adds the other variants).
 - ``random:B``: the control of the importance metric: the tier counts of ``hqekv:B``
@@ -35,7 +36,9 @@ from dataclasses import dataclass
 
 from ..config import TierRatios, check_bavg
 
-KINDS = ("fp16", "kivi", "rkivi", "evict", "hqekv", "rhqekv", "random", "quanto", "paper")
+KINDS = ("fp16", "kivi", "rkivi", "evict", "hqekv", "rhqekv", "random", "quanto", "paper", "rpaper")
+ONE_SET = ("paper", "rpaper")
+"""Kinds that use the calibrated ratios as one set for every layer, without per-layer budgets."""
 KIVI_BITS = {4: "int4", 2: "int2", 1: "int1"}
 QUANTO_BITS = (2, 4)
 METADATA_BITS = 0.75
@@ -68,7 +71,7 @@ class Method:
             return {"bavg": self.bits, "importance": "random"}
         if self.kind == "paper":
             return {"bavg": self.bits, "rotation": None}
-        if self.kind == "rhqekv":
+        if self.kind in ("rhqekv", "rpaper"):
             return {"bavg": self.bits, "rotation": "hadamard"}
         return {"bavg": self.bits}
 
@@ -91,7 +94,7 @@ class Method:
             except ImportError as error:
                 raise ImportError("the quanto:B method needs optimum-quanto: pip install optimum-quanto") from error
         kwargs = self.patch_kwargs()
-        if self.kind == "paper":
+        if self.kind in ONE_SET:
             from ..patching import resolve_config
 
             with warnings.catch_warnings():
@@ -115,7 +118,7 @@ def parse_method(spec: str) -> Method:
     if not match or match.group(1) not in KINDS:
         raise ValueError(
             f"unknown method {spec!r}; use fp16, kivi:B or rkivi:B (B in 1, 2, 4), evict:B, hqekv:B, rhqekv:B, "
-            "random:B, quanto:B (B in 2, 4) or paper:B"
+            "random:B, quanto:B (B in 2, 4), paper:B or rpaper:B"
         )
     kind, bits = match.group(1), match.group(2)
     if kind == "fp16":
