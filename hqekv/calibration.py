@@ -455,20 +455,19 @@ def layer_budgets(
     """
     ratios = TierRatios.coerce(ratios)
     start = time.perf_counter()
-    kls_of = objective.kls if hasattr(objective, "kls") else (lambda r, **kw: [objective.kl(r, **kw)])
     sensitivity = layer_sensitivity(objective, ratios)
     bavg = ratios.bavg
     search, best = [], None
     for strength in (0.0, *strengths):
         if strength == 0:
             layers = None
-            kls = kls_of(ratios)
+            kls = segment_kls(objective, ratios)
             x3, x4 = ratios.int1, ratios.evict
             bits = [bavg] * objective.n_layers
         else:
             bits = split_budget(bavg, sensitivity, strength)
             layers = tuple(ratios_at(ratios, b) for b in bits)
-            kls = kls_of(ratios, layer_ratios=layers)
+            kls = segment_kls(objective, ratios, layer_ratios=layers)
             x3 = statistics.fmean(r.int1 for r in layers)
             x4 = statistics.fmean(r.evict for r in layers)
         loss = statistics.fmean(data_term(kl, kl_scale) for kl in kls) + alpha * x3 + beta * x4
@@ -478,6 +477,15 @@ def layer_budgets(
             best = (row, layers)
     row, layers = best
     return LayerBudgets(row["strength"], layers, sensitivity, search, time.perf_counter() - start)
+
+
+def segment_kls(objective, ratios, key_ratios=None, layer_ratios=None) -> list[float]:
+    """One KL per calibration segment: of a :class:`SegmentedObjective`, or the one of a
+    :class:`CompressionObjective`."""
+    extra = {} if layer_ratios is None else {"layer_ratios": layer_ratios}
+    if hasattr(objective, "kls"):
+        return objective.kls(ratios, key_ratios, **extra)
+    return [objective.kl(ratios, key_ratios, **extra)]
 
 
 def reference_style_kl(model, context: torch.Tensor, continuation: torch.Tensor, ratios, **settings) -> float:
@@ -619,7 +627,7 @@ def run_study(
             if ratios is None:
                 raise optuna.TrialPruned("infeasible: δ1 < 0 or δ2 < 0")
         start = time.perf_counter()
-        kls = objective.kls(ratios, key_ratios) if hasattr(objective, "kls") else [objective.kl(ratios, key_ratios)]
+        kls = segment_kls(objective, ratios, key_ratios)
         trial.set_user_attr("kl", statistics.fmean(kls))
         if len(kls) > 1:
             trial.set_user_attr("kls", kls)

@@ -53,13 +53,18 @@ def test_search_box_rejects_bavg_outside_the_search(bavg):
         search_box(bavg)
 
 
-@pytest.fixture(scope="module")
-def objective_setup():
-    model = tiny_llama(seed=3, layers=2)
+def tiny_objective(layers: int):
+    """(model, context, continuation, objective) on a tiny random Llama of ``layers`` layers."""
+    model = tiny_llama(seed=3, layers=layers)
     g = torch.Generator().manual_seed(0)
     context = torch.randint(1, 128, (1, 300), generator=g)
     continuation = torch.randint(1, 128, (1, 40), generator=g)
     return model, context, continuation, CompressionObjective(model, context, continuation)
+
+
+@pytest.fixture(scope="module")
+def objective_setup():
+    return tiny_objective(layers=2)
 
 
 def test_objective_is_zero_for_fp16_and_positive_when_compressed(objective_setup):

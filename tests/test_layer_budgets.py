@@ -9,11 +9,11 @@ import hqekv
 from hqekv import FP16_RATIOS, HqeKVConfig, TierRatios
 from hqekv.artifacts import ArtifactError, load_artifact, save_artifact
 from hqekv.cache import EVICTED, FP16
-from hqekv.calibration import CompressionObjective, calibrate, layer_budgets, layer_sensitivity, ratios_at, split_budget
+from hqekv.calibration import calibrate, layer_budgets, layer_sensitivity, mean_kl, ratios_at, split_budget
 
 from .conftest import tiny_llama
 from .test_artifacts import metadata
-from .test_calibration import CharTokenizer
+from .test_calibration import CharTokenizer, tiny_objective
 
 BASE = TierRatios(int4=0.5, int2=0.3, int1=0.1, evict=0.1)  # 2.7 bits
 
@@ -125,11 +125,7 @@ def test_artifact_round_trips_layer_ratios_and_rejects_defects(tmp_path):
 
 @pytest.fixture(scope="module")
 def objective():
-    model = tiny_llama(seed=3, layers=3)
-    g = torch.Generator().manual_seed(0)
-    context = torch.randint(1, 128, (1, 300), generator=g)
-    continuation = torch.randint(1, 128, (1, 40), generator=g)
-    return CompressionObjective(model, context, continuation)
+    return tiny_objective(layers=3)[3]
 
 
 def test_objective_scores_per_layer_ratios_as_a_patched_prefill_would(objective):
@@ -150,7 +146,7 @@ def test_objective_scores_per_layer_ratios_as_a_patched_prefill_would(objective)
         cache = cache_for(config, model)
         model(objective.context, cache=cache, use_cache=True, logits_to_keep=1)
         logits = model(objective.continuation, cache=cache, use_cache=True).logits
-    full = float((objective.reference.exp() * (objective.reference - torch.log_softmax(logits[0].float(), -1))).sum(-1).mean())
+    full = mean_kl(objective.reference, torch.log_softmax(logits[0].float(), -1))
     assert fast > 0 and math.isclose(fast, full, rel_tol=1e-5), (fast, full)
     with pytest.raises(ValueError, match="3 compressed layers"):
         objective.tiers(BASE, layer_ratios=layers[:2])
