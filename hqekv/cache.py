@@ -445,7 +445,10 @@ class HqeKVLayer(RowStateLayer):
     def _add_fp16_chunks(self, fk: torch.Tensor, fv: torch.Tensor, ok: torch.Tensor) -> None:
         """Append new chunks (B, F, H, G, D) where ``ok`` (B, F) to the FP16 pools and chunk tables."""
         rows, cols = ok.nonzero(as_tuple=True)
-        first = self.k_fp.shape[0]
+        # K and V hold different numbers of FP16 slots once re-ranks have moved some chunks of one
+        # component down and not the other's: each new chunk's slot is the end of its own pool.
+        added = torch.arange(rows.numel(), device=self.device)
+        k_slots, v_slots = self.k_fp.shape[0] + added, self.v_fp.shape[0] + added
         self.k_fp = torch.cat([self.k_fp, fk[rows, cols].to(self.fp_dtype)])
         self.v_fp = torch.cat([self.v_fp, fv[rows, cols].to(self.fp_dtype)])
         n_phys = (self.chunk_pos >= 0).sum(1)
@@ -457,8 +460,7 @@ class HqeKVLayer(RowStateLayer):
             for t in (self.chunk_pos, self.k_tier, self.k_slot, self.v_tier, self.v_slot)
         ]
         dest = n_phys[rows] + cols
-        slots = first + torch.arange(rows.numel(), device=self.device)
-        for table, value in zip(tables, (self.n_chunks[rows] + cols, FP16, slots, FP16, slots)):
+        for table, value in zip(tables, (self.n_chunks[rows] + cols, FP16, k_slots, FP16, v_slots)):
             table[rows, dest] = value
         self.chunk_pos, self.k_tier, self.k_slot, self.v_tier, self.v_slot = tables
         self.n_chunks = self.n_chunks + ok.sum(1)

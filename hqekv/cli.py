@@ -41,6 +41,16 @@ def settings_from_args(args) -> dict:
     return {n: getattr(args, n) for n in MATCHED_SETTINGS}
 
 
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def model_dtype(args):
+    """The torch dtype ``--dtype`` names, or None for the checkpoint's own."""
+    import torch
+
+    return getattr(torch, args.dtype) if getattr(args, "dtype", None) else None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hqekv", description="HqeKV KV-cache compression for Hugging Face causal LMs")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -100,6 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048], help="prompt lengths in tokens")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True, help="directory for results.json, results.md and plots")
+    p.add_argument(
+        "--dtype", choices=DTYPES,
+        help="dtype to load the model in (default: the checkpoint's; float32 for the packaged GGUF models)",
+    )  # fmt: skip
     p.add_argument("--threads", type=int, help="torch CPU threads")
     p.add_argument("--no-progress", action="store_true")
 
@@ -203,7 +217,7 @@ def _eval(args) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    model, tokenizer, model_id = load_model(args.model, args.gguf_file)
+    model, tokenizer, model_id = load_model(args.model, args.gguf_file, dtype=model_dtype(args))
     records = run_evaluation(args, model, tokenizer)
     payload = write_results(records, args.out, eval_settings(args, args.model_id or model_id, model))
     print((Path(args.out) / "results.md").read_text())
@@ -217,7 +231,8 @@ def eval_settings(args, model_id: str, model) -> dict:
 
     argv = ["eval", "--model", args.model, *(["--gguf-file", args.gguf_file] if args.gguf_file else []),
             "--methods", *args.methods, "--tasks", *args.tasks, "--samples", str(args.samples),
-            "--lengths", *map(str, args.lengths), "--seed", str(args.seed), "--out", str(args.out)]
+            "--lengths", *map(str, args.lengths), "--seed", str(args.seed), "--out", str(args.out),
+            *(["--dtype", args.dtype] if getattr(args, "dtype", None) else [])]
     return {
         "model_id": model_id,
         "model_dtype": str(model.dtype),

@@ -467,3 +467,60 @@ def test_memory_report_of_the_model_is_per_thread(tiny):
     assert reports == {500: 500 + 199, 300: 300 + 19}
     with pytest.raises(ValueError, match="not run"):  # this thread ran nothing
         hqekv.memory_report(tiny)
+
+
+def _check_slot_tables(layer):
+    """Every kept chunk's slot lies in its tier's pool of its component; each slot serves one chunk."""
+    from hqekv.tiers import QUANTIZED_TIERS
+
+    valid = layer.chunk_pos >= 0
+    for component, tier, slot in (("k", layer.k_tier, layer.k_slot), ("v", layer.v_tier, layer.v_slot)):
+        fp, pools = layer._pools(component)
+        sizes = {FP16: fp.shape[0], **{t: pools[t].codes.shape[0] for t in QUANTIZED_TIERS}}
+        for t, size in sizes.items():
+            assert sorted(slot[valid & (tier == t)].tolist()) == list(range(size)), (component, t)
+
+
+@pytest.mark.parametrize(
+    "ratios",
+    [
+        hqekv.TierRatios(fp16=0.4, int4=0.4, evict=0.2),  # e.g. a per-layer budget above 4 bits
+        hqekv.TierRatios(fp16=0.5, int4=0.5),  # the uncalibrated fallback for a bavg in (4, 16]
+        MIXED,
+    ],
+)
+def test_full_precision_chunks_hold_their_own_tokens_through_chunked_feeding_and_decode(ratios, monkeypatch):
+    """Re-ranks move K and V chunks down apart, so the two FP16 pools differ in size; a chunk
+    flushed afterwards must still find its own keys and values (a shared slot read another chunk's)."""
+    from hqekv.cache import HqeKVLayer
+
+    fed = {}  # layer index -> the keys and values its attention stored, in order
+    attend = HqeKVLayer.attend
+
+    def recording_attend(self, query, key, value, *args, **kwargs):
+        fed.setdefault(self.layer_idx, []).append((key.detach().clone(), value.detach().clone()))
+        return attend(self, query, key, value, *args, **kwargs)
+
+    monkeypatch.setattr(HqeKVLayer, "attend", recording_attend)
+    model = tiny_llama(seed=3)
+    hqekv.patch_model(model, ratios=ratios, value_group=16, fp_dtype="model")
+    ids = prompt(700, seed=7)
+    with torch.no_grad():
+        cache = output_cache(model(ids[:, :160], use_cache=True))
+        for start in range(160, 640, 32):  # 32 tokens at a time, as the perplexity task feeds them
+            model(ids[:, start : start + 32], cache=cache)
+        for t in range(640, 700):  # decode steps: tail writes, flushes and re-ranks
+            model(ids[:, t : t + 1], cache=cache)
+    diverged = False
+    for layer in cache.layers:
+        _check_slot_tables(layer)
+        keys, values = (torch.cat([kv[i] for kv in fed[layer.layer_idx]], dim=2) for i in (0, 1))
+        k_phys, v_phys, positions, _ = layer.physical_cache()
+        diverged |= layer.k_fp.shape[0] != layer.v_fp.shape[0]
+        for phys, truth, tier in ((k_phys, keys, layer.k_tier), (v_phys, values, layer.v_tier)):
+            fp16 = (tier[0] == FP16).repeat_interleave(32)
+            at = positions[0, : fp16.numel()][fp16]
+            assert at.numel() > 0
+            assert torch.equal(phys[0, :, : fp16.numel()][:, fp16], truth[0, :, at])
+    if ratios.fp16 > 0:
+        assert diverged  # the case this test is about did happen

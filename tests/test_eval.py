@@ -190,3 +190,19 @@ def test_results_of_methods_no_parser_knows_are_still_written(tmp_path):
     assert [r["method"] for r in ordered] == ["kivi:2", "kivi:2", "asymrot:2", "asymrot:2"]
     write_results(records, tmp_path, {"methods": ["kivi:2", "asymrot:2"], "tasks": ["ppl"]})
     assert "asymrot:2" in (tmp_path / "results.md").read_text()
+
+
+def test_cli_eval_loads_the_dtype_asked_and_records_it():
+    import argparse
+
+    import torch
+
+    from hqekv.cli import build_parser, eval_settings, model_dtype
+
+    args = build_parser().parse_args(["eval", "--model", "smollm2", "--dtype", "bfloat16", "--out", "o"])
+    assert model_dtype(args) is torch.bfloat16
+    assert model_dtype(build_parser().parse_args(["eval", "--model", "smollm2", "--out", "o"])) is None
+    settings = eval_settings(args, "m", argparse.Namespace(dtype=torch.bfloat16))
+    assert settings["model_dtype"] == "torch.bfloat16" and settings["command"].endswith("--dtype bfloat16")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["eval", "--model", "smollm2", "--dtype", "int8", "--out", "o"])

@@ -8,7 +8,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 from accelerate import PartialState  # noqa: E402
 
-from hqekv.cli import build_parser  # noqa: E402
+from hqekv.cli import build_parser, model_dtype  # noqa: E402
 from hqekv.models import load_model  # noqa: E402
 
 
@@ -19,6 +19,6 @@ def start_worker(command: str):
     """
     args = build_parser().parse_args([command, *sys.argv[1:]])
     state = PartialState(cpu=not torch.cuda.is_available())
-    model, tokenizer, model_id = load_model(args.model, args.gguf_file)
+    model, tokenizer, model_id = load_model(args.model, args.gguf_file, dtype=model_dtype(args))
     model.to(state.device)
     return args, state, model, tokenizer, model_id
