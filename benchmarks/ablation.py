@@ -69,32 +69,38 @@ ROWS = {
     "asym": ("off", "K and V apart, searched rotated"),
     "asymrot": ("on", "K and V apart, searched rotated"),
     "random": ("on", "shipped, chunks assigned at random (control)"),
-    "kivi": ("off", "every chunk 2-bit (KIVI)"),
-    "rkivi": ("on", "every chunk 2-bit"),
+    "kivi": ("off", "every chunk {bits}-bit (KIVI)"),
+    "rkivi": ("on", "every chunk {bits}-bit"),
 }
 DEFAULT_METHODS = [f"{k}:{b}" for b in ("2", "3.2") for k in ("hqekv", "symrot", "asym", "asymrot", "random")] + ["rkivi:2"]
 
 
 def ablation_table(rows: list[dict]) -> str:
-    """Markdown: per bavg, each setting's effective bits, needle and perplexity (and vs fp16)."""
+    """Markdown: per bavg, each setting's effective bits, needle and perplexity (and vs fp16: the
+    pooled perplexity's ratio, and the mean per-sample distance of the NLL from fp16's)."""
     by = {(r["method"], r["task"]): r for r in rows}
     fp16 = {t: by.get(("fp16", t), {}).get("score") for t in ("needle", "ppl")}
     lines = [
         f"fp16: needle {fp16['needle']:.2f}, perplexity {fp16['ppl']:.3f}" if None not in fp16.values() else "",
         "",
-        "| bavg | method | rotation | ratios | effective bits | needle | perplexity | vs fp16 |",
-        "|---|---|---|---|---|---|---|---|",
+        "| bavg | method | rotation | ratios | effective bits | needle | perplexity | vs fp16 | mean abs ΔNLL vs fp16 |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     methods = {r["method"] for r in rows if r["method"].split(":")[0] in ROWS}
     for method in sorted(methods, key=lambda m: (float(m.split(":")[1]), list(ROWS).index(m.split(":")[0]))):
         needle, ppl = by.get((method, "needle")), by.get((method, "ppl"))
         present = [r for r in (needle, ppl) if r is not None]
+        if not present:  # a run of other tasks: its rows are in results.md
+            continue
         bits = statistics.fmean(r["effective_bits"] for r in present)
         rel = f"{100 * (ppl['score'] / fp16['ppl'] - 1):+.2f}%" if ppl and fp16["ppl"] else ""
+        deviation = f"{ppl['nll_deviation_from_fp16']:.4f}" if ppl and "nll_deviation_from_fp16" in ppl else ""
         rotation, ratios = ROWS[method.split(":")[0]]
+        ratios = ratios.format(bits=method.split(":")[1])
         lines.append(
             f"| {method.split(':')[1]} | {method} | {rotation} | {ratios} | {bits:.2f} | "
-            f"{needle['score'] if needle else float('nan'):.2f} | {ppl['score'] if ppl else float('nan'):.3f} | {rel} |"
+            f"{needle['score'] if needle else float('nan'):.2f} | {ppl['score'] if ppl else float('nan'):.3f} | {rel} | "
+            f"{deviation} |"
         )
     return "\n".join(lines) + "\n"
 

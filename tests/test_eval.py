@@ -206,3 +206,19 @@ def test_cli_eval_loads_the_dtype_asked_and_records_it():
     assert settings["model_dtype"] == "torch.bfloat16" and settings["command"].endswith("--dtype bfloat16")
     with pytest.raises(SystemExit):
         build_parser().parse_args(["eval", "--model", "smollm2", "--dtype", "int8", "--out", "o"])
+
+
+def test_perplexity_rows_report_the_per_sample_distance_from_fp16():
+    """Two samples off by +0.1 and -0.1 nats pool to fp16's perplexity but are 0.1 nats away."""
+    def record(method, index, nll):
+        return {"task": "ppl", "method": method, "index": index, "nll": nll, "score": math.exp(nll), "cache_bytes": 1,
+                "effective_bits": 3.0, "bavg": 2.0, "prefill_s": 1.0, "ratios_source": None, "ratios": None}
+
+    records = [record("fp16", 0, 2.0), record("fp16", 1, 3.0), record("hqekv:2", 0, 2.1), record("hqekv:2", 1, 2.9),
+               record("kivi:2", 0, 2.0)]  # fmt: skip
+    rows = {r["method"]: r for r in summarize(records)}
+    assert rows["hqekv:2"]["score"] == pytest.approx(rows["fp16"]["score"])
+    assert rows["hqekv:2"]["nll_deviation_from_fp16"] == pytest.approx(0.1)
+    assert rows["fp16"]["nll_deviation_from_fp16"] == 0.0 and rows["kivi:2"]["nll_deviation_from_fp16"] == 0.0
+    without_reference = summarize([r for r in records if r["method"] != "fp16"])
+    assert all("nll_deviation_from_fp16" not in r for r in without_reference)
