@@ -36,7 +36,7 @@ def main():
         if label.startswith("HqeKV"):
             hqekv.patch_model(model, bavg=args.bavg)
             config = hqekv.patch_config(model)
-            print(f"\nratios ({config.ratios_source}): {config.ratios.describe()}")
+            print(f"\nratios ({config.ratios_source}): {config.describe_ratios()}")
         start = time.perf_counter()
         with torch.no_grad():
             out = model.generate(**inputs, max_new_tokens=16, do_sample=False, return_dict_in_generate=True)
