@@ -141,8 +141,7 @@ def _mean(values):
 def summarize(records: list[dict], by_length: bool = False) -> list[dict]:
     """One row per (task, method), or per (task, prompt length, method) with ``by_length``, in
     first-seen order; agreement is with the fp16 prediction."""
-    reference = {(r["task"], r["index"]): r.get("prediction") for r in records if r["method"] == "fp16"}
-    reference_nll = {(r["task"], r["index"]): r["nll"] for r in records if r["method"] == "fp16" and "nll" in r}
+    reference = {(r["task"], r["index"]): r for r in records if r["method"] == "fp16"}
     groups: dict[tuple, list[dict]] = {}
     for r in records:
         groups.setdefault((r["task"], r.get("length") if by_length else None, r["method"]), []).append(r)
@@ -170,10 +169,10 @@ def summarize(records: list[dict], by_length: bool = False) -> list[dict]:
             row["score"] = float(torch.tensor([r["nll"] for r in rs]).mean().exp())  # ppl of the pooled NLL
             # Fidelity to the uncompressed model, sample by sample: a perplexity below fp16's on one
             # sample and above on another averages out in the score, not here.
-            deviations = [abs(r["nll"] - reference_nll[(task, r["index"])]) for r in rs if (task, r["index"]) in reference_nll]
-            if len(deviations) == len(rs):
-                row["nll_deviation_from_fp16"] = _mean(deviations)
-        agree = [(r["prediction"], reference.get((task, r["index"]))) for r in rs if "prediction" in r]
+            fp16_nll = [reference.get((task, r["index"]), {}).get("nll") for r in rs]
+            if None not in fp16_nll:
+                row["nll_deviation_from_fp16"] = _mean(abs(r["nll"] - ref) for r, ref in zip(rs, fp16_nll))
+        agree = [(r["prediction"], reference.get((task, r["index"]), {}).get("prediction")) for r in rs if "prediction" in r]
         if agree and all(ref is not None for _, ref in agree):
             row["agreement_with_fp16"] = _mean(f1_score(p, ref) if task == "squad" else float(p == ref) for p, ref in agree)
         rows.append(row)
