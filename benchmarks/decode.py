@@ -1,60 +1,134 @@
-"""Prefill time and decode tokens/s of HqeKV vs the FP16 DynamicCache, same process, on SmolLM2.
+"""Decode tokens/s of HqeKV vs the FP16 DynamicCache through ``model.generate``, same process, on SmolLM2.
 
-    python benchmarks/decode.py [--lengths 2048 4096] [--new-tokens 64] [--bavg 3.2]
+    python benchmarks/decode.py [--lengths 2048 4096 8192] [--new-tokens 32] [--bavg 2 3.2]
+                                [--dtype float32] [--no-compile]
 
-Decode is timed over ``--new-tokens`` greedy steps after the prefill (re-ranking every 32
-tokens included); the ratio is HqeKV tokens/s over DynamicCache tokens/s.
+Each run is one greedy ``model.generate`` call after a prompt of the given length; a logits
+processor stamps the time after every step, so decode tokens/s is timed over the steps
+after the first (prefill excluded, re-ranking every 32 tokens included). Rows:
+
+- ``dynamic_cache``: the unpatched model, eager — the baseline of every ratio;
+- ``hqekv`` per bavg: the patched model, eager;
+- ``hqekv_compiled`` per bavg: ``generate(..., compile_config=CompileConfig(...))``, the
+  decode step compiled by transformers (compiled once on a short prompt before timing; the
+  compile time is reported apart);
+- ``loop``: the same steps as a hand-written loop of ``model(...)`` calls (the former
+  measurement), for the DynamicCache and the first bavg.
 """
 
 import argparse
+import time
 import warnings
 
+import torch
 from common import essay_ids, load_smollm2, save
+from transformers import CompileConfig, LogitsProcessor, LogitsProcessorList
 
 import hqekv
 from hqekv.eval.tasks import greedy_generate
 
 
-def run(model, ids, new_tokens):
-    """Prefill seconds and decode tokens/s of ``new_tokens`` greedy steps after the prefill."""
-    generated, prefill_s, decode_s, _ = greedy_generate(model, ids, new_tokens + 1)
-    return prefill_s, new_tokens / decode_s, generated[1:]
+class StepClock(LogitsProcessor):
+    """Records the time after each forward of ``generate`` (logits processors run once per step)."""
+
+    def __init__(self):
+        self.times = []
+
+    def __call__(self, input_ids, scores):
+        self.times.append(time.perf_counter())
+        return scores
+
+
+def compile_config() -> CompileConfig:
+    config = CompileConfig(fullgraph=False)
+    config._compile_all_devices = True  # transformers compiles on CUDA only unless told so
+    return config
+
+
+def generate(model, ids, new_tokens, compiled=False):
+    """-> decode tokens/s over the steps after the first, and the generated ids."""
+    clock = StepClock()
+    extra = {"compile_config": compile_config()} if compiled else {"disable_compile": True}
+    with torch.no_grad():
+        out = model.generate(
+            ids, max_new_tokens=new_tokens + 1, min_new_tokens=new_tokens + 1, do_sample=False,
+            logits_processor=LogitsProcessorList([clock]), **extra,
+        )  # fmt: skip
+    steps = clock.times
+    return (len(steps) - 1) / (steps[-1] - steps[0]), out[0, ids.shape[1] :]
+
+
+def loop(model, ids, new_tokens):
+    """Decode tokens/s of a hand-written greedy loop of ``model(...)`` calls."""
+    _, _, decode_s, _ = greedy_generate(model, ids, new_tokens + 1)
+    return new_tokens / decode_s
+
+
+def patch(model, bavg):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", hqekv.UncalibratedRatiosWarning)
+        hqekv.patch_model(model, bavg=bavg)
 
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096])
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--bavg", type=float, default=3.2)
+    parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192])
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--bavg", type=float, nargs="+", default=[2.0, 3.2])
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--no-compile", action="store_true", help="skip the compiled runs")
     args = parser.parse_args()
     model, tok = load_smollm2()
-    rows = []
-    run(model, essay_ids(tok, 256), 4)  # warm-up
-    for n in args.lengths:
-        ids = essay_ids(tok, n)
-        base_prefill, base_tps, base_tokens = run(model, ids, args.new_tokens)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", hqekv.UncalibratedRatiosWarning)
-            hqekv.patch_model(model, bavg=args.bavg)
-        prefill, tps, tokens = run(model, ids, args.new_tokens)
+    model = model.to(getattr(torch, args.dtype))
+    warm = essay_ids(tok, 256)
+    generate(model, warm, 4)  # warm-up
+    prompts = {n: essay_ids(tok, n) for n in args.lengths}
+    rows = {}
+    for n, ids in prompts.items():
+        base_tps, base_tokens = generate(model, ids, args.new_tokens)
+        rows[n] = {"tokens": n, "new_tokens": args.new_tokens, "dynamic_cache": {"decode_tokens_per_s": base_tps},
+                   "hqekv": {}, "hqekv_compiled": {}, "loop": {"dynamic_cache": loop(model, ids, args.new_tokens)}}  # fmt: skip
+        rows[n]["_tokens"] = base_tokens
+    compile_s = {}
+    for bavg in args.bavg:
+        patch(model, bavg)  # once per bavg: a new patch is new code to compile
+        if not args.no_compile:
+            start = time.perf_counter()
+            generate(model, warm, 8, compiled=True)  # compiles the decode step
+            compile_s[str(bavg)] = time.perf_counter() - start
+        for n, ids in prompts.items():
+            row = rows[n]
+            base_tps = row["dynamic_cache"]["decode_tokens_per_s"]
+            tps, tokens = generate(model, ids, args.new_tokens)
+            row["hqekv"][str(bavg)] = {"decode_tokens_per_s": tps, "ratio": tps / base_tps,
+                                       "same_tokens_fraction": float((tokens == row["_tokens"]).float().mean())}  # fmt: skip
+            if bavg == args.bavg[0]:
+                row["loop"]["hqekv"] = loop(model, ids, args.new_tokens)
+                row["loop"]["bavg"] = bavg
+                row["loop"]["ratio"] = row["loop"]["hqekv"] / row["loop"]["dynamic_cache"]
+            if not args.no_compile:
+                ctps, ctokens = generate(model, ids, args.new_tokens, compiled=True)
+                row["hqekv_compiled"][str(bavg)] = {"decode_tokens_per_s": ctps, "ratio": ctps / base_tps,
+                                                    "same_tokens_as_eager": bool(torch.equal(ctokens, tokens))}  # fmt: skip
         hqekv.unpatch_model(model)
-        row = {
-            "tokens": n,
-            "new_tokens": args.new_tokens,
-            "bavg": args.bavg,
-            "dynamic_cache": {"prefill_s": base_prefill, "decode_tokens_per_s": base_tps},
-            "hqekv": {"prefill_s": prefill, "decode_tokens_per_s": tps},
-            "prefill_ratio": base_prefill / prefill,
-            "decode_ratio": tps / base_tps,
-            "same_tokens_fraction": float((tokens == base_tokens).float().mean()),
-        }
-        rows.append(row)
-        print(
-            f"{n:5d} tokens: prefill {prefill:.2f}s vs {base_prefill:.2f}s ({row['prefill_ratio']:.2f}x speed); "
-            f"decode {tps:.1f} vs {base_tps:.1f} tok/s ({row['decode_ratio']:.2f}x)"
-        )
-    save("decode", {"model": "HuggingFaceTB/SmolLM2-135M-Instruct (GGUF Q4_1)", "device": "cpu",
-                    "path": "pytorch reference", "rows": rows})
+    for row in rows.values():
+        row.pop("_tokens")
+        parts = [f"{row['tokens']:5d} tokens: DynamicCache {row['dynamic_cache']['decode_tokens_per_s']:.1f} tok/s"]
+        for bavg in args.bavg:
+            e = row["hqekv"][str(bavg)]
+            text = f"bavg {bavg}: eager {e['decode_tokens_per_s']:.1f} ({e['ratio']:.2f}x)"
+            if not args.no_compile:
+                c = row["hqekv_compiled"][str(bavg)]
+                text += f", compiled {c['decode_tokens_per_s']:.1f} ({c['ratio']:.2f}x)"
+            parts.append(text)
+        parts.append(f"loop bavg {args.bavg[0]}: {row['loop']['ratio']:.2f}x")
+        print("; ".join(parts), flush=True)
+    print("compile seconds (short prompt, once per bavg):", compile_s)
+    save(f"decode-{args.dtype}" if args.dtype != "float32" else "decode", {
+        "model": "HuggingFaceTB/SmolLM2-135M-Instruct (GGUF Q4_1)", "device": "cpu", "dtype": args.dtype,
+        "path": "pytorch reference", "measured_through": "model.generate (greedy), eager and compile_config",
+        "compile_seconds": compile_s, "rows": list(rows.values()),
+    })  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -154,7 +154,7 @@ class HqeKVLayer(RowStateLayer):
     flushed into FP16 chunks) and re-ranks every ``rerank_interval`` tokens.
     """
 
-    is_compileable = False
+    is_compileable = True
     is_sliding = False
     is_croppable = False
     ROW_STATE = _ROW_STATE
@@ -201,6 +201,7 @@ class HqeKVLayer(RowStateLayer):
         self.n_chunks = torch.zeros(b, **long)
         self.n_evicted = torch.zeros(b, **long)
         self.since_rerank = torch.full((b,), cfg.rerank_interval, **long)
+        self.decoded = False  # decode steps wrote tail tokens that maintain() has not yet checked
         self.is_initialized = True
 
     def update(self, key_states, value_states, *args, **kwargs):
@@ -329,14 +330,16 @@ class HqeKVLayer(RowStateLayer):
             self.win_valid.copy_(roll(self.win_valid, ok[:, None], 1, ok[:, None]))
             self.real_len += ok
             self.since_rerank += ok
+        self.decoded = True
 
     def maintain(self) -> None:
         """Flush full tails into FP16 chunks and re-rank the rows that are due (SPEC §1.4); eager.
 
         A decode step leaves a tail of G tokens in place; this moves it into the chunk table
         before the next token is stored (the patched model calls it before every forward).
+        Nothing to do, and no host sync, unless decode steps wrote tokens since the last call.
         """
-        if not self.is_initialized:
+        if not self.is_initialized or not self.decoded:
             return
         g = self.config.chunk_size
         full = self.tail_len >= g
@@ -346,6 +349,7 @@ class HqeKVLayer(RowStateLayer):
         if not math.isfinite(peak) or peak > _FLOAT16_MAX:
             check_storable(self.layer_idx, (self.tail_k, self.tail_v), (self.fp_dtype, self.meta_dtype), self.seen)
         if not due_any:
+            self.decoded = False
             return
         with torch.no_grad():
             chunk = lambda t: t[:, None].transpose(1, 2).reshape(t.shape[0], 1, *t.shape[1:])  # noqa: E731
@@ -354,6 +358,7 @@ class HqeKVLayer(RowStateLayer):
             due = full & (self.since_rerank >= self.config.rerank_interval)
             if bool(due.any()):
                 self.rerank(due)
+        self.decoded = False
         self._mark_sizes_dynamic()
 
     # --- storage -------------------------------------------------------------------------------

@@ -68,9 +68,19 @@ def unpack_codes(words: torch.Tensor, bits: int, n: int, dtype: torch.dtype = to
     """
     _check_bits(bits)
     per_word = 32 // bits
-    if dtype.is_floating_point and bits in (1, 4) and n == words.shape[-1] * per_word and sys.byteorder == "little":
-        # One table lookup per byte gives the codes as floats directly (measured faster than
-        # shift, mask and convert for 1 and 4 bits on CPU; words are little-endian bytes).
+    whole = n == words.shape[-1] * per_word and sys.byteorder == "little"  # words are little-endian bytes
+    if dtype.is_floating_point and bits == 4 and whole:
+        # Each byte's two nibbles, masked and shifted as uint8 and converted straight into the
+        # output (4x faster on CPU than a table lookup per byte, which writes 2 floats a byte).
+        # (..., 4·W), byte k holding codes 2k and 2k + 1 (a size-1 axis may have stride 0)
+        by = words.contiguous().reshape(-1).view(torch.uint8).reshape(*words.shape[:-1], 4 * words.shape[-1])
+        out = torch.empty(*by.shape, 2, dtype=dtype, device=words.device)
+        out[..., 0].copy_(by & 15)
+        out[..., 1].copy_(by >> 4)
+        return out.reshape(*words.shape[:-1], n)
+    if dtype.is_floating_point and bits == 1 and whole:
+        # One table lookup per byte gives its 8 codes as floats directly (measured faster than
+        # shift, mask and convert for 1 bit on CPU).
         table = _byte_table(bits, words.device, dtype)
         by = words.contiguous().reshape(-1).view(torch.uint8).int()  # (a size-1 axis may have stride 0)
         return torch.nn.functional.embedding(by, table).reshape(*words.shape[:-1], n)

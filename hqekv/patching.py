@@ -283,6 +283,7 @@ def patch_model(
         record.replace(decoder, "forward", _DecoderForward(model, decoder))
         record.replace(model, "_prepare_cache_for_generation", _PrepareCache(model))
         record.replace(model, "generate", _Generate(model))
+        record.replace(model, "create_masks_for_generate", _padding_mask_for_generate)
     except BaseException:
         record.restore()
         raise
@@ -471,6 +472,15 @@ def _warn_over_budget(record: _PatchRecord, report: MemoryReport) -> None:
             UserWarning,
             stacklevel=3,
         )
+
+
+def _padding_mask_for_generate(*, attention_mask=None, **_):
+    """``create_masks_for_generate`` of a patched model: the 2-D padding mask, kept as it is.
+
+    ``generate`` builds a 4-D mask before each step when the cache is compileable; hqekv
+    masks inside its own attention and needs only which tokens are padding.
+    """
+    return attention_mask
 
 
 class _Generate:

@@ -64,7 +64,7 @@ class SlidingWindowLayer(RowStateLayer):
     """
 
     is_sliding = True
-    is_compileable = False
+    is_compileable = True
     is_croppable = False
     ROW_STATE = _ROW_STATE
 

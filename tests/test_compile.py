@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
-from transformers import LogitsProcessor, LogitsProcessorList
+from transformers import CompileConfig, LogitsProcessor, LogitsProcessorList
 
 import hqekv
 from hqekv.config import TierRatios
@@ -75,6 +75,35 @@ def test_compiled_generate_equals_eager_and_compiles_decode_once(setting):
     # across flushes and re-ranks that resize pools and tables, compile nothing.
     assert per_step[1] > per_step[0] > 0
     assert per_step[-1] == per_step[1], per_step
+
+
+def test_generate_with_a_compile_config_decodes_with_the_compiled_step():
+    """``generate(..., compile_config=...)`` compiles the decode step of a patched model (the cache
+    is compileable), keeps the 2-D padding mask, and gives the eager tokens."""
+    model = tiny_llama().to(DEVICE)
+    hqekv.patch_model(model, ratios=MIXED)
+    assert hqekv.new_cache(model).is_compileable
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(1, 128, (2, 40), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0  # left padding in row 0
+    inputs = {"input_ids": ids.to(DEVICE), "attention_mask": mask.to(DEVICE)}
+    eager = greedy(model, inputs, 70)  # two chunk flushes and re-ranks
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("eager")
+    # CompileConfig deep-copies its fields: a function (copied as itself) reaches the counter
+    config = CompileConfig(backend=lambda gm, example_inputs: counter(gm, example_inputs), mode=None)
+    config._compile_all_devices = True  # transformers compiles on CUDA only unless told so
+    counts = CompileCounts(counter)
+    with torch.no_grad():
+        compiled = model.generate(
+            **inputs, max_new_tokens=70, min_new_tokens=70, do_sample=False, compile_config=config,
+            logits_processor=LogitsProcessorList([counts]),
+        )  # fmt: skip
+    assert torch.equal(compiled, eager)
+    # the prefill runs eagerly; the decode steps run the compiled call, compiled at the first one only
+    assert counts.per_step[0] == 0 and counts.per_step[1] > 0, counts.per_step
+    assert counts.per_step[-1] == counts.per_step[1], counts.per_step
 
 
 def decode_state(model, n_prompt: int = 70):

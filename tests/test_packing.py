@@ -50,10 +50,14 @@ def test_unpack_to_float_equals_unpack_to_uint8(bits, n):
     assert torch.equal(as_float, codes.float())
 
 
-def test_unpack_to_float_reads_words_with_any_strides():
-    codes = torch.randint(0, 2, (2, 32), generator=torch.Generator().manual_seed(0))
-    words = pack_codes(codes, 1)  # (2, 1)
+@pytest.mark.parametrize("bits", [1, 4])
+def test_unpack_to_float_reads_words_with_any_strides(bits):
+    codes = torch.randint(0, 2**bits, (2, 32 // bits), generator=torch.Generator().manual_seed(0))
+    words = pack_codes(codes, bits)  # (2, 1)
     odd = torch.empty_strided((2, 1), (1, 0), dtype=torch.int32)  # a size-1 axis with stride 0
     odd.copy_(words)
-    assert torch.equal(unpack_codes(odd, 1, 32, torch.float32), codes.float())
-    assert torch.equal(unpack_codes(words.t().contiguous().t(), 1, 32, torch.float32), codes.float())
+    assert torch.equal(unpack_codes(odd, bits, 32 // bits, torch.float32), codes.float())
+    assert torch.equal(unpack_codes(words.t().contiguous().t(), bits, 32 // bits, torch.float32), codes.float())
+    wide = pack_codes(torch.randint(0, 2**bits, (3, 4, 64), generator=torch.Generator().manual_seed(1)), bits)
+    view = wide.transpose(0, 1)  # (4, 3, W) non-contiguous
+    assert torch.equal(unpack_codes(view, bits, 64, torch.float32), unpack_codes(view.contiguous(), bits, 64))

@@ -110,23 +110,48 @@ def gather_chunks(
     return every.transpose(0, 1)[:, index].transpose(0, 1).reshape(b, h, index.shape[1] * g, d)
 
 
-def _linear_codes(pools: list[torch.Tensor], tier: int, per_channel: bool, group: int, g: int):
-    """A quantized pool as float codes and the affine map x = codes·a + b that dequantizes them.
-
-    keys:   codes (N, H, D, G) (a key chunk transposed), a, b (N, H, D, 1)
-    values: codes (N, H, G, ng, group), a, b (N, H, G, ng, 1)
-    Normalized 1-bit is affine too: centre[c]·std + mean = c·(Δ·std) + (centre[0]·std + mean).
-    """
+def _key_codes(pools: list[torch.Tensor], tier: int, g: int):
+    """A quantized key pool as float codes (N, H, D, G) (each chunk transposed) and the affine
+    map x = codes·a + b, a and b (N, H, D, 1), that dequantizes them."""
     bits, normalized = TIER_FORMATS[tier]
     words, m0, m1 = quantized_pool(pools, tier)
-    codes = unpack_codes(words, bits, g if per_channel else group, torch.float32)
-    m0, m1 = m0.float()[..., None], m1.float()[..., None]
+    codes = unpack_codes(words, bits, g, torch.float32)
+    a, b = _affine(m0.float()[..., None], m1.float()[..., None], bits, normalized, words.device)
+    return codes, a, b
+
+
+def _affine(m0: torch.Tensor, m1: torch.Tensor, bits: int, normalized: bool, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(a, b) with x = codes·a + b from a group's metadata pair (scale, zero or std, mean).
+
+    Normalized 1-bit is affine too: centre[c]·std + mean = c·(Δ·std) + (centre[0]·std + mean).
+    """
     if normalized:
-        _, centres = normal_tables(bits, words.device)
+        _, centres = normal_tables(bits, device)
         if bits != 1:
             raise NotImplementedError("the CPU mixed attention reads normalized codes of 1 bit only")
-        return codes, (centres[1] - centres[0]) * m0, centres[0] * m0 + m1
-    return codes, m0, m1
+        return (centres[1] - centres[0]) * m0, centres[0] * m0 + m1
+    return m0, m1
+
+
+def _weighted_value_codes(p: torch.Tensor, pools: list[torch.Tensor], tier: int, group: int, d: int) -> torch.Tensor:
+    """Σ over the slots of one value pool of probability × value, without dequantizing the values.
+
+    p (H, R', N, G) float32, R' query rows per KV head -> (H, R', D). With v = codes·a + b
+    per group of ``group`` channels: Σ p·v = Σ (p·a)·codes + Σ p·b, one matmul per (head,
+    group) that contracts all N·G tokens at once. The packed words are put head-major before
+    unpacking, so the float codes come out in matmul order without a copy of their own.
+    """
+    bits, normalized = TIER_FORMATS[tier]
+    words, m0, m1 = quantized_pool(pools, tier)  # (N, H, G, ng, W), (N, H, G, ng)
+    n, h, g, ng, _ = words.shape
+    rows = p.shape[1]
+    codes = unpack_codes(words.permute(1, 3, 0, 2, 4), bits, group, torch.float32)  # (H, ng, N, G, group)
+    a, c = _affine(m0.float(), m1.float(), bits, normalized, words.device)  # (N, H, G, ng)
+    p = p.reshape(h, rows, n * g)
+    pa = p[:, None] * a.permute(1, 3, 0, 2).reshape(h, ng, 1, n * g)  # (H, ng, R', N·G)
+    out = (pa @ codes.reshape(h, ng, n * g, group)).transpose(1, 2)  # (H, R', ng, group)
+    out = out + (p @ c.transpose(0, 1).reshape(h, n * g, ng))[..., None]
+    return out.reshape(h, rows, ng * group)[..., :d]
 
 
 def mixed_attention_reference(
@@ -198,34 +223,34 @@ def _pool_attention(
     2. one softmax over all of them, masked to the slots in each row's table;
     3. the probabilities moved from key-slot order to value-slot order (a chunk's K and V may
        sit in different tiers), and each value pool weighted by them.
-    Query heads of a KV group attend together as one block of R = (Hq / Hkv)·S rows.
+    Pools are shared by the rows, so each KV head scores them for all its query rows at once:
+    R' = B·(Hq / Hkv)·S rows (row, query head in group, new token), few ops per tier.
     """
     b, hq, s, d = query.shape
     hkv, g = key.shape[1], tail_k.shape[2]
     gq = hq // hkv
-    r = gq * s
+    r = gq * s  # query rows per sequence row and KV head
     dev = query.device
-    q = query.float().reshape(b, hkv, r, d) * scaling  # rows: (query head in group, new token)
-    q5 = q[:, None]  # (B, 1, H, R, D)
+    q = query.float().reshape(b, hkv, r, d) * scaling
+    qh = q.transpose(0, 1).reshape(hkv, b * r, d)  # (H, R', D)
 
-    # 1. logits per key pool slot (B, N, H, R, G), in pool order fp16, 4, 2, 1 bit
-    k_sizes = [k_pools[0].shape[0]] + [quantized_pool(k_pools, t)[0].shape[0] for t in QUANTIZED_TIERS]
-    logits = [q5 @ k_pools[0].float().transpose(-1, -2)[None]]
+    # 1. logits per key pool slot (N, H, R', G), in pool order fp16, 4, 2, 1 bit
+    k_sizes = _pool_sizes(k_pools)
+    logits = [qh @ k_pools[0].float().transpose(-1, -2)]
     for t, n in zip(QUANTIZED_TIERS, k_sizes[1:]):
         if n:
-            codes, a, c = _linear_codes(k_pools, t, True, value_group, g)
-            logits.append((q5 * a.transpose(-1, -2)[None]) @ codes[None] + q5 @ c[None])
-    slot_logits = torch.cat(logits, dim=1).permute(0, 2, 3, 1, 4)  # (B, H, R, Nk, G)
-    nk = slot_logits.shape[3]
+            codes, a, c = _key_codes(k_pools, t, g)  # (N, H, D, G), (N, H, D, 1)
+            qa = (qh * a.transpose(-1, -2)).reshape(n * hkv, b * r, d)
+            bias = (qh @ c[..., 0].permute(1, 2, 0)).permute(2, 0, 1)  # (N, H, R')
+            logits.append(torch.baddbmm(bias.reshape(n * hkv, b * r, 1), qa, codes.reshape(n * hkv, d, g)))
+    nk = sum(k_sizes)
+    slot_logits = torch.cat([x.reshape(-1, hkv, b * r, g) for x in logits])  # (Nk, H, R', G)
+    slot_logits = slot_logits.reshape(nk, hkv, b, r, g).permute(2, 1, 3, 0, 4).reshape(b, hkv, r, nk * g)
     tail_logits = q @ tail_k.float().transpose(-1, -2)  # (B, H, R, G)
     new_logits = q @ key.float().transpose(-1, -2)  # (B, H, R, S)
 
     # 2. masks: the slots of each row's table, its tail, and causal + padding over the new tokens
-    def global_slots(tier, slot, sizes):
-        offsets = torch.tensor([sum(sizes[:i]) for i in range(len(sizes))], device=dev)
-        return torch.where(tier >= 0, offsets[tier.clamp(min=0)] + slot, sum(sizes))  # empty -> a spare slot
-
-    kg = global_slots(k_tier, k_slot, k_sizes)  # (B, C)
+    kg = _global_slots(k_tier, k_slot, k_sizes)  # (B, C)
     own = torch.zeros(b, nk + 1, dtype=torch.bool, device=dev).scatter_(1, kg, True)[:, :nk]
     ar = torch.arange(g, device=dev)
     new_ok = torch.ones(s, s, dtype=torch.bool, device=dev).tril()[None] & new_valid[:, None, :]  # (B, S, S)
@@ -234,29 +259,38 @@ def _pool_attention(
          (ar[None, :] < tail_len[:, None])[:, None].expand(b, r, g),
          new_ok.repeat(1, gq, 1)], dim=-1,
     )  # (B, R, Nk·G + G + S)  # fmt: skip
-    flat = torch.cat([slot_logits.reshape(b, hkv, r, nk * g), tail_logits, new_logits], dim=-1)
-    probs = torch.softmax(flat.masked_fill(~mask[:, None], -torch.inf), dim=-1)
+    flat = torch.cat([slot_logits, tail_logits, new_logits], dim=-1)
+    probs = torch.softmax(flat.masked_fill_(~mask[:, None], -torch.inf), dim=-1)
     # a query that sees nothing gets 0; a NaN from a NaN key propagates, as in the unpatched model
     probs = torch.where(mask.any(-1)[:, None, :, None], probs, 0.0)
 
-    # 3. probabilities in value-slot order, then the weighted values of every pool
-    v_sizes = [v_pools[0].shape[0]] + [quantized_pool(v_pools, t)[0].shape[0] for t in QUANTIZED_TIERS]
+    # 3. probabilities in value-slot order (H, R', Nv, G), then the weighted values of every pool
+    v_sizes = _pool_sizes(v_pools)
     nv = sum(v_sizes)
-    vg = global_slots(v_tier, v_slot, v_sizes)
+    vg = _global_slots(v_tier, v_slot, v_sizes)
     to_key = torch.full((b, nv + 1), nk, dtype=torch.long, device=dev).scatter_(1, vg, kg)[:, :nv]  # nk: zeros
     p_slots = torch.cat([probs[..., : nk * g].reshape(b, hkv, r, nk, g), probs.new_zeros(b, hkv, r, 1, g)], dim=3)
-    p_v = p_slots.gather(3, to_key[:, None, None, :, None].expand(b, hkv, r, nv, g)).permute(0, 3, 1, 2, 4)
+    p_v = p_slots.transpose(0, 1).gather(3, to_key[None, :, None, :, None].expand(hkv, b, r, nv, g))
+    p_v = p_v.reshape(hkv, b * r, nv, g)
     out = (probs[..., nk * g : nk * g + g] @ tail_v.float()) + (probs[..., nk * g + g :] @ value.float())
-    parts = p_v.split(v_sizes, dim=1)  # (B, N_t, H, R, G) each
-    out = out + (parts[0] @ v_pools[0].float()[None]).sum(1)
-    ng = -(-d // value_group)
+    parts = p_v.split(v_sizes, dim=2)  # (H, R', N_t, G) each
+    pooled = parts[0].reshape(hkv, b * r, -1) @ v_pools[0].transpose(0, 1).reshape(hkv, -1, d).float()
     for p_t, t in zip(parts[1:], QUANTIZED_TIERS):
-        if p_t.shape[1] == 0:
-            continue
-        codes, a, c = _linear_codes(v_pools, t, False, value_group, g)  # (N, H, G, ng, group), (N, H, G, ng, 1)
-        v_t = torch.addcmul(c, codes, a).reshape(*codes.shape[:3], ng * value_group)[..., :d]  # (N, H, G, D)
-        out = out + (p_t @ v_t[None]).sum(1)
+        if p_t.shape[2]:
+            pooled = pooled + _weighted_value_codes(p_t, v_pools, t, value_group, d)
+    out = out + pooled.reshape(hkv, b, r, d).transpose(0, 1)
     return out.reshape(b, hkv, gq, s, d).permute(0, 3, 1, 2, 4).reshape(b, s, hq, d).to(query.dtype)
+
+
+def _pool_sizes(pools: list[torch.Tensor]) -> list[int]:
+    """Slots of each pool of a component, in tier order fp16, 4, 2, 1 bit."""
+    return [pools[0].shape[0]] + [quantized_pool(pools, t)[0].shape[0] for t in QUANTIZED_TIERS]
+
+
+def _global_slots(tier: torch.Tensor, slot: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    """Table entries (B, C) -> index into all pools of a component laid end to end; empty -> one spare slot."""
+    offsets = torch.tensor([sum(sizes[:i]) for i in range(len(sizes))], device=tier.device)
+    return torch.where(tier >= 0, offsets[tier.clamp(min=0)] + slot, sum(sizes))
 
 
 if HAVE_TRITON:
