@@ -1,11 +1,12 @@
 """Decode tokens/s of HqeKV vs the FP16 DynamicCache through ``model.generate``, same process, on SmolLM2.
 
-    python benchmarks/decode.py [--lengths 2048 4096 8192] [--new-tokens 32] [--bavg 2 3.2]
+    python benchmarks/decode.py [--lengths 2048 4096 8128] [--new-tokens 32] [--bavg 2 3.2]
                                 [--dtype float32] [--no-compile]
 
 Each run is one greedy ``model.generate`` call after a prompt of the given length; a logits
 processor stamps the time after every step, so decode tokens/s is timed over the steps
-after the first (prefill excluded, re-ranking every 32 tokens included). Rows:
+after the first (prefill excluded, re-ranking every 32 tokens included); 8128 prompt tokens
+keep prompt and continuation within SmolLM2's 8192 positions. Rows:
 
 - ``dynamic_cache``: the unpatched model, eager — the baseline of every ratio;
 - ``hqekv`` per bavg: the patched model, eager;
@@ -72,7 +73,7 @@ def patch(model, bavg):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8128])
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--bavg", type=float, nargs="+", default=[2.0, 3.2])
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")

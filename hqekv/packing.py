@@ -60,24 +60,37 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     return words.to(torch.int32)
 
 
-def unpack_codes(words: torch.Tensor, bits: int, n: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+def unpack_codes(
+    words: torch.Tensor, bits: int, n: int, dtype: torch.dtype = torch.uint8, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """Inverse of :func:`pack_codes`.
 
     words (..., ceil(n*bits/32)) int32 -> codes (..., n) ``dtype`` (uint8; float32 saves a pass
-    when the codes are about to be scaled).
+    when the codes are about to be scaled). ``out``: a (..., n) ``dtype`` tensor, any strides
+    but a unit last one (e.g. a slice of a larger buffer), to write the codes into and return.
     """
     _check_bits(bits)
     per_word = 32 // bits
     whole = n == words.shape[-1] * per_word and sys.byteorder == "little"  # words are little-endian bytes
+    if out is not None and (tuple(out.shape) != (*words.shape[:-1], n) or out.dtype != dtype or out.stride(-1) != 1):
+        raise ValueError(f"out must be a {dtype} tensor of shape {(*words.shape[:-1], n)} with a unit last stride")
     if dtype.is_floating_point and bits == 4 and whole:
         # Each byte's two nibbles, masked and shifted as uint8 and converted straight into the
         # output (4x faster on CPU than a table lookup per byte, which writes 2 floats a byte).
         # (..., 4·W), byte k holding codes 2k and 2k + 1 (a size-1 axis may have stride 0)
         by = words.contiguous().reshape(-1).view(torch.uint8).reshape(*words.shape[:-1], 4 * words.shape[-1])
-        out = torch.empty(*by.shape, 2, dtype=dtype, device=words.device)
-        out[..., 0].copy_(by & 15)
-        out[..., 1].copy_(by >> 4)
-        return out.reshape(*words.shape[:-1], n)
+        if out is None:
+            out = torch.empty(*words.shape[:-1], n, dtype=dtype, device=words.device)
+        pairs = out.unflatten(-1, (n // 2, 2))
+        pairs[..., 0].copy_(by & 15)
+        pairs[..., 1].copy_(by >> 4)
+        return out
+    codes = _unpack(words, bits, n, dtype, whole)
+    return codes if out is None else out.copy_(codes)
+
+
+def _unpack(words: torch.Tensor, bits: int, n: int, dtype: torch.dtype, whole: bool) -> torch.Tensor:
+    per_word = 32 // bits
     if dtype.is_floating_point and bits == 1 and whole:
         # One table lookup per byte gives its 8 codes as floats directly (measured faster than
         # shift, mask and convert for 1 bit on CPU).

@@ -61,3 +61,16 @@ def test_unpack_to_float_reads_words_with_any_strides(bits):
     wide = pack_codes(torch.randint(0, 2**bits, (3, 4, 64), generator=torch.Generator().manual_seed(1)), bits)
     view = wide.transpose(0, 1)  # (4, 3, W) non-contiguous
     assert torch.equal(unpack_codes(view, bits, 64, torch.float32), unpack_codes(view.contiguous(), bits, 64))
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4])
+def test_unpack_into_a_slice_of_a_buffer_writes_there_only(bits):
+    codes = torch.randint(0, 2**bits, (3, 2, 32), generator=torch.Generator().manual_seed(bits))
+    words = pack_codes(codes, bits).transpose(0, 1)  # (2, 3, W), non-contiguous
+    buffer = torch.full((2, 5, 32), -1.0)
+    target = buffer[:, 1:4]  # (2, 3, 32), not contiguous
+    assert unpack_codes(words, bits, 32, torch.float32, out=target) is target
+    assert torch.equal(buffer[:, 1:4], codes.transpose(0, 1).float())
+    assert bool((buffer[:, 0] == -1).all() and (buffer[:, 4] == -1).all())
+    with pytest.raises(ValueError, match="out must be"):
+        unpack_codes(words, bits, 32, torch.float32, out=torch.empty(2, 3, 31))

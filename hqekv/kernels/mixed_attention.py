@@ -110,16 +110,6 @@ def gather_chunks(
     return every.transpose(0, 1)[:, index].transpose(0, 1).reshape(b, h, index.shape[1] * g, d)
 
 
-def _key_codes(pools: list[torch.Tensor], tier: int, g: int):
-    """A quantized key pool as float codes (N, H, D, G) (each chunk transposed) and the affine
-    map x = codes·a + b, a and b (N, H, D, 1), that dequantizes them."""
-    bits, normalized = TIER_FORMATS[tier]
-    words, m0, m1 = quantized_pool(pools, tier)
-    codes = unpack_codes(words, bits, g, torch.float32)
-    a, b = _affine(m0.float()[..., None], m1.float()[..., None], bits, normalized, words.device)
-    return codes, a, b
-
-
 def _affine(m0: torch.Tensor, m1: torch.Tensor, bits: int, normalized: bool, device) -> tuple[torch.Tensor, torch.Tensor]:
     """(a, b) with x = codes·a + b from a group's metadata pair (scale, zero or std, mean).
 
@@ -131,27 +121,6 @@ def _affine(m0: torch.Tensor, m1: torch.Tensor, bits: int, normalized: bool, dev
             raise NotImplementedError("the CPU mixed attention reads normalized codes of 1 bit only")
         return (centres[1] - centres[0]) * m0, centres[0] * m0 + m1
     return m0, m1
-
-
-def _weighted_value_codes(p: torch.Tensor, pools: list[torch.Tensor], tier: int, group: int, d: int) -> torch.Tensor:
-    """Σ over the slots of one value pool of probability × value, without dequantizing the values.
-
-    p (H, R', N, G) float32, R' query rows per KV head -> (H, R', D). With v = codes·a + b
-    per group of ``group`` channels: Σ p·v = Σ (p·a)·codes + Σ p·b, one matmul per (head,
-    group) that contracts all N·G tokens at once. The packed words are put head-major before
-    unpacking, so the float codes come out in matmul order without a copy of their own.
-    """
-    bits, normalized = TIER_FORMATS[tier]
-    words, m0, m1 = quantized_pool(pools, tier)  # (N, H, G, ng, W), (N, H, G, ng)
-    n, h, g, ng, _ = words.shape
-    rows = p.shape[1]
-    codes = unpack_codes(words.permute(1, 3, 0, 2, 4), bits, group, torch.float32)  # (H, ng, N, G, group)
-    a, c = _affine(m0.float(), m1.float(), bits, normalized, words.device)  # (N, H, G, ng)
-    p = p.reshape(h, rows, n * g)
-    pa = p[:, None] * a.permute(1, 3, 0, 2).reshape(h, ng, 1, n * g)  # (H, ng, R', N·G)
-    out = (pa @ codes.reshape(h, ng, n * g, group)).transpose(1, 2)  # (H, R', ng, group)
-    out = out + (p @ c.transpose(0, 1).reshape(h, n * g, ng))[..., None]
-    return out.reshape(h, rows, ng * group)[..., :d]
 
 
 def mixed_attention_reference(
@@ -216,35 +185,34 @@ def _pool_attention(
     query, key, value, new_valid, k_pools, v_pools, k_tier, k_slot, v_tier, v_slot, tail_k, tail_v, tail_len,
     scaling, value_group,
 ) -> torch.Tensor:  # fmt: skip
-    """Attention that reads each tier's pool where it lies, never building a dequantized cache.
+    """Attention that reads the pools where they lie, never building a dequantized cache.
 
-    1. logits of every pool slot, per tier (keys as float codes: q·k = (q⊙a)·codes + q·b),
-       then of the tail and the new tokens, in float32;
+    1. logits of every key pool slot: all tiers at once as float codes under an affine map
+       (q·k = (q⊙a)·codes + q·b; FP16 slots are codes with a = 1, b = 0), then of the tail
+       and the new tokens, in float32;
     2. one softmax over all of them, masked to the slots in each row's table;
     3. the probabilities moved from key-slot order to value-slot order (a chunk's K and V may
-       sit in different tiers), and each value pool weighted by them.
+       sit in different tiers), and all value pools weighted by them, again as codes.
     Pools are shared by the rows, so each KV head scores them for all its query rows at once:
-    R' = B·(Hq / Hkv)·S rows (row, query head in group, new token), few ops per tier.
+    R' = B·(Hq / Hkv)·S rows (row, query head in group, new token). One matmul per component
+    whatever the tiers, so that decoding costs few ops on CPU.
     """
     b, hq, s, d = query.shape
     hkv, g = key.shape[1], tail_k.shape[2]
     gq = hq // hkv
     r = gq * s  # query rows per sequence row and KV head
+    rows = b * r
     dev = query.device
     q = query.float().reshape(b, hkv, r, d) * scaling
-    qh = q.transpose(0, 1).reshape(hkv, b * r, d)  # (H, R', D)
+    qh = q.transpose(0, 1).reshape(hkv, rows, d)  # (H, R', D)
 
-    # 1. logits per key pool slot (N, H, R', G), in pool order fp16, 4, 2, 1 bit
+    # 1. logits of every key pool slot (Nk, H, R', G), in pool order fp16, 4, 2, 1 bit
     k_sizes = _pool_sizes(k_pools)
-    logits = [qh @ k_pools[0].float().transpose(-1, -2)]
-    for t, n in zip(QUANTIZED_TIERS, k_sizes[1:]):
-        if n:
-            codes, a, c = _key_codes(k_pools, t, g)  # (N, H, D, G), (N, H, D, 1)
-            qa = (qh * a.transpose(-1, -2)).reshape(n * hkv, b * r, d)
-            bias = (qh @ c[..., 0].permute(1, 2, 0)).permute(2, 0, 1)  # (N, H, R')
-            logits.append(torch.baddbmm(bias.reshape(n * hkv, b * r, 1), qa, codes.reshape(n * hkv, d, g)))
     nk = sum(k_sizes)
-    slot_logits = torch.cat([x.reshape(-1, hkv, b * r, g) for x in logits])  # (Nk, H, R', G)
+    codes, a, c = _key_slots(k_pools, k_sizes, g, d)  # (Nk, H, D, G), (Nk, H, D) twice
+    qa = (qh * a[:, :, None, :]).reshape(nk * hkv, rows, d)
+    qc = torch.bmm(qh, c.permute(1, 2, 0)).permute(2, 0, 1).reshape(nk * hkv, rows, 1)  # q·b per slot
+    slot_logits = torch.baddbmm(qc, qa, codes.reshape(nk * hkv, d, g))
     slot_logits = slot_logits.reshape(nk, hkv, b, r, g).permute(2, 1, 3, 0, 4).reshape(b, hkv, r, nk * g)
     tail_logits = q @ tail_k.float().transpose(-1, -2)  # (B, H, R, G)
     new_logits = q @ key.float().transpose(-1, -2)  # (B, H, R, S)
@@ -264,20 +232,15 @@ def _pool_attention(
     # a query that sees nothing gets 0; a NaN from a NaN key propagates, as in the unpatched model
     probs = torch.where(mask.any(-1)[:, None, :, None], probs, 0.0)
 
-    # 3. probabilities in value-slot order (H, R', Nv, G), then the weighted values of every pool
+    # 3. probabilities in value-slot order (H, R', Nv·G), then the weighted values of all pools
     v_sizes = _pool_sizes(v_pools)
     nv = sum(v_sizes)
     vg = _global_slots(v_tier, v_slot, v_sizes)
     to_key = torch.full((b, nv + 1), nk, dtype=torch.long, device=dev).scatter_(1, vg, kg)[:, :nv]  # nk: zeros
     p_slots = torch.cat([probs[..., : nk * g].reshape(b, hkv, r, nk, g), probs.new_zeros(b, hkv, r, 1, g)], dim=3)
     p_v = p_slots.transpose(0, 1).gather(3, to_key[None, :, None, :, None].expand(hkv, b, r, nv, g))
-    p_v = p_v.reshape(hkv, b * r, nv, g)
     out = (probs[..., nk * g : nk * g + g] @ tail_v.float()) + (probs[..., nk * g + g :] @ value.float())
-    parts = p_v.split(v_sizes, dim=2)  # (H, R', N_t, G) each
-    pooled = parts[0].reshape(hkv, b * r, -1) @ v_pools[0].transpose(0, 1).reshape(hkv, -1, d).float()
-    for p_t, t in zip(parts[1:], QUANTIZED_TIERS):
-        if p_t.shape[2]:
-            pooled = pooled + _weighted_value_codes(p_t, v_pools, t, value_group, d)
+    pooled = _weighted_value_slots(p_v.reshape(hkv, rows, nv * g), v_pools, v_sizes, g, d, value_group)
     out = out + pooled.reshape(hkv, b, r, d).transpose(0, 1)
     return out.reshape(b, hkv, gq, s, d).permute(0, 3, 1, 2, 4).reshape(b, s, hq, d).to(query.dtype)
 
@@ -291,6 +254,63 @@ def _global_slots(tier: torch.Tensor, slot: torch.Tensor, sizes: list[int]) -> t
     """Table entries (B, C) -> index into all pools of a component laid end to end; empty -> one spare slot."""
     offsets = torch.tensor([sum(sizes[:i]) for i in range(len(sizes))], device=tier.device)
     return torch.where(tier >= 0, offsets[tier.clamp(min=0)] + slot, sum(sizes))
+
+
+def _key_slots(pools: list[torch.Tensor], sizes: list[int], g: int, d: int):
+    """Every key pool slot as float codes with the affine map x = codes·a + b that dequantizes them.
+
+    -> codes (N, H, D, G) (each chunk transposed), a and b (N, H, D), slots in pool order;
+    FP16 slots are their values with a = 1, b = 0. Each tier unpacks straight into its rows.
+    """
+    h = pools[0].shape[1]
+    n0, n_all = sizes[0], sum(sizes)
+    codes = pools[0].new_empty(n_all, h, d, g, dtype=torch.float32)
+    a, b = codes.new_empty(n_all, h, d), codes.new_empty(n_all, h, d)
+    codes[:n0] = pools[0].transpose(-1, -2)
+    a[:n0], b[:n0] = 1.0, 0.0
+    start = n0
+    for t, n in zip(QUANTIZED_TIERS, sizes[1:]):
+        if n:
+            bits, normalized = TIER_FORMATS[t]
+            words, m0, m1 = quantized_pool(pools, t)
+            unpack_codes(words, bits, g, torch.float32, out=codes[start : start + n])
+            a[start : start + n], b[start : start + n] = _affine(m0.float(), m1.float(), bits, normalized, words.device)
+            start += n
+    return codes, a, b
+
+
+def _weighted_value_slots(
+    p: torch.Tensor, pools: list[torch.Tensor], sizes: list[int], g: int, d: int, group: int
+) -> torch.Tensor:
+    """Σ over every value pool slot of probability × value, without dequantizing the values.
+
+    p (H, R', N·G) float32 in pool order -> (H, R', D). With v = codes·a + b per group of
+    ``group`` channels (FP16 slots: a = 1, b = 0): Σ p·v = Σ (p·a)·codes + Σ p·b, one matmul
+    per (head, group) that contracts all N·G tokens at once. Packed words are put head-major
+    before unpacking, so each tier's codes land in matmul order in their own columns.
+    """
+    h, rows = p.shape[:2]
+    ng = -(-d // group)
+    n0, n_all = sizes[0], sum(sizes)
+    codes = p.new_empty(h, ng, n_all, g, group)
+    a = p.new_empty(h, ng, n_all, g)
+    b = p.new_empty(h, n_all, g, ng)
+    fp = torch.nn.functional.pad(pools[0], (0, ng * group - d)).reshape(n0, h, g, ng, group)
+    codes[:, :, :n0] = fp.permute(1, 3, 0, 2, 4)
+    a[:, :, :n0], b[:, :n0] = 1.0, 0.0
+    start = n0
+    for t, n in zip(QUANTIZED_TIERS, sizes[1:]):
+        if n:
+            bits, normalized = TIER_FORMATS[t]
+            words, m0, m1 = quantized_pool(pools, t)  # (N, H, G, ng, W), (N, H, G, ng)
+            unpack_codes(words.permute(1, 3, 0, 2, 4), bits, group, torch.float32, out=codes[:, :, start : start + n])
+            a_t, b_t = _affine(m0.float(), m1.float(), bits, normalized, words.device)
+            a[:, :, start : start + n], b[:, start : start + n] = a_t.permute(1, 3, 0, 2), b_t.transpose(0, 1)
+            start += n
+    pa = (p[:, None] * a.reshape(h, ng, 1, n_all * g)).reshape(h * ng, rows, n_all * g)
+    out = torch.bmm(pa, codes.reshape(h * ng, n_all * g, group)).reshape(h, ng, rows, group).transpose(1, 2)
+    out = out + (p[..., None] * b.reshape(h, 1, n_all * g, ng)).sum(2)[..., None]  # a bmm of width ng is slower
+    return out.reshape(h, rows, ng * group)[..., :d]
 
 
 if HAVE_TRITON:
