@@ -138,12 +138,15 @@ def _gather_seq(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return x.gather(2, index[:, None, :, None].expand(b, h, index.shape[1], d))
 
 
-_ROW_STATE = (
-    "chunk_pos", "k_tier", "k_slot", "v_tier", "v_slot",
-    "tail_k", "tail_v", "tail_len",
-    "win_q", "win_pos", "win_valid",
-    "real_len", "n_chunks", "n_evicted", "since_rerank",
-)  # fmt: skip
+_ROW_PARTS = {
+    "tables": ("chunk_pos", "k_tier", "k_slot", "v_tier", "v_slot"),
+    "tail": ("tail_k", "tail_v", "tail_len"),
+    "window": ("win_q", "win_pos", "win_valid"),
+    "counters": ("real_len", "n_chunks", "n_evicted", "since_rerank"),
+}
+"""The per-row tensors of a layer by the part of the memory report they count in; the one
+list that reordering rows, copying a layer and byte accounting all read."""
+_ROW_STATE = tuple(name for names in _ROW_PARTS.values() for name in names)
 
 
 class HqeKVLayer(RowStateLayer):
@@ -520,8 +523,8 @@ class HqeKVLayer(RowStateLayer):
         if not bool((self.k_tier[self.chunk_pos >= 0] == FP16).all()):
             raise ValueError("with_tiers re-tiers FP16 chunks only (the state right after an FP16 prefill)")
         layer = copy.copy(self)
-        for name in ("tail_k", "tail_v", "tail_len", "win_q", "win_pos", "win_valid", "real_len", "since_rerank"):
-            setattr(layer, name, getattr(self, name).clone())  # decode steps update these in place
+        for name in _ROW_STATE:  # decode steps update some in place; the tables are replaced below
+            setattr(layer, name, getattr(self, name).clone())
         layer.config = config
         kept = (self.chunk_pos[0] >= 0) & (k_tier[0] != EVICTED)
         index = kept.nonzero().flatten()
@@ -638,10 +641,8 @@ class HqeKVLayer(RowStateLayer):
             out[f"{comp}.fp16"] = fp.nbytes
             for t in QUANTIZED_TIERS:
                 out[f"{comp}.{TIER_NAMES[t]}"] = sum(x.nbytes for x in pools[t].tensors())
-        out["tail"] = self.tail_k.nbytes + self.tail_v.nbytes + self.tail_len.nbytes
-        out["tables"] = sum(getattr(self, n).nbytes for n in ("chunk_pos", "k_tier", "k_slot", "v_tier", "v_slot"))
-        out["window"] = self.win_q.nbytes + self.win_pos.nbytes + self.win_valid.nbytes
-        out["counters"] = sum(getattr(self, n).nbytes for n in ("real_len", "n_chunks", "n_evicted", "since_rerank"))
+        for part, names in _ROW_PARTS.items():
+            out[part] = sum(getattr(self, n).nbytes for n in names)
         return out
 
     def chunk_counts(self) -> dict[str, int]:
