@@ -21,16 +21,33 @@ methods apart.
 
 from __future__ import annotations
 
+import dataclasses
+
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
 import hqekv
+from hqekv.config import CACHE_SETTINGS, HqeKVConfig
 
-PATCH_ARGS = (
-    "bavg", "artifact", "chunk_size", "window", "rerank_interval", "protected_chunks", "eviction", "value_group",
-    "fp_dtype", "rotation", "importance",
-)  # fmt: skip
-_INT_ARGS = ("chunk_size", "window", "rerank_interval", "protected_chunks", "value_group")
+PATCH_ARGS = ("bavg", "artifact", *CACHE_SETTINGS, "importance")
+"""The ``model_args`` that go to :func:`hqekv.patch_model`: every cache setting of HqeKVConfig."""
+_INT_ARGS = tuple(f.name for f in dataclasses.fields(HqeKVConfig) if f.name in PATCH_ARGS and f.type in ("int", int))
+_OPTIONAL_ARGS = tuple(f.name for f in dataclasses.fields(HqeKVConfig) if f.name in PATCH_ARGS and f.default is None)
+
+
+def patch_arguments(kwargs: dict) -> dict:
+    """Take the ``patch_model`` arguments out of lm-eval's ``model_args`` (strings on the command
+    line): numbers converted, ``"none"`` for an optional setting (e.g. ``rotation``) meaning None."""
+    patch = {k: kwargs.pop(k) for k in PATCH_ARGS if k in kwargs and kwargs[k] is not None}
+    if "bavg" in patch:
+        patch["bavg"] = float(patch["bavg"])
+    for k in _INT_ARGS:
+        if k in patch:
+            patch[k] = int(patch[k])
+    for k in _OPTIONAL_ARGS:
+        if str(patch.get(k, "")).lower() == "none":
+            patch[k] = None
+    return patch
 
 
 @register_model("hqekv")
@@ -38,14 +55,7 @@ class HqeKVLM(HFLM):
     """``HFLM`` whose model is patched with :func:`hqekv.patch_model` after loading."""
 
     def __init__(self, pretrained, **kwargs):
-        patch = {k: kwargs.pop(k) for k in PATCH_ARGS if k in kwargs and kwargs[k] is not None}
-        if "bavg" in patch:
-            patch["bavg"] = float(patch["bavg"])
-        for k in _INT_ARGS:
-            if k in patch:
-                patch[k] = int(patch[k])
-        if str(patch.get("rotation", "")).lower() == "none":
-            patch["rotation"] = None
+        patch = patch_arguments(kwargs)
         super().__init__(pretrained=pretrained, **kwargs)
         if hqekv.is_patched(self.model):
             hqekv.unpatch_model(self.model)  # a model object passed in twice: use these settings

@@ -63,6 +63,19 @@ def _evaluate(model_name, model_args, task_dir):
     )
 
 
+def test_every_cache_setting_reaches_patch_model_converted():
+    from hqekv.config import CACHE_SETTINGS
+    from hqekv.lm_eval_plugin import PATCH_ARGS, patch_arguments
+
+    assert set(CACHE_SETTINGS) <= set(PATCH_ARGS)
+    kwargs = {"bavg": "2", "chunk_size": "32", "window": "20", "metadata_dtype": "bfloat16", "rotation": "none",
+              "fp_dtype": "model", "eviction": "joint", "batch_size": 1}  # fmt: skip
+    patch = patch_arguments(kwargs)
+    assert kwargs == {"batch_size": 1}, "lm-eval's own arguments stay"
+    assert patch == {"bavg": 2.0, "chunk_size": 32, "window": 20, "metadata_dtype": "bfloat16", "rotation": None,
+                     "fp_dtype": "model", "eviction": "joint"}  # fmt: skip
+
+
 def _responses(result):
     return [s["resps"][0][0] for s in result["samples"]["hqekv_tiny_passkey"]]
 
