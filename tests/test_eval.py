@@ -7,7 +7,7 @@ import pytest
 
 from hqekv.eval import evaluate, parse_method, summarize, write_results
 from hqekv.eval.methods import Method
-from hqekv.eval.runner import baseline_at, equal_bytes_comparison
+from hqekv.eval.runner import baseline_at, equal_bytes_comparison, plot, plot_cap
 from hqekv.eval.tasks import TASKS, exact_match, f1_score
 
 METHODS = ["fp16", "hqekv:16", "kivi:2", "kivi:4", "evict:2", "hqekv:2", "hqekv:3.2", "random:2", "quanto:2", "quanto:4"]
@@ -222,3 +222,21 @@ def test_perplexity_rows_report_the_per_sample_distance_from_fp16():
     assert rows["fp16"]["nll_deviation_from_fp16"] == 0.0 and rows["kivi:2"]["nll_deviation_from_fp16"] == 0.0
     without_reference = summarize([r for r in records if r["method"] != "fp16"])
     assert all("nll_deviation_from_fp16" not in r for r in without_reference)
+
+
+def test_plots_cut_a_collapsed_perplexity_and_keep_scores_that_rise():
+    def row(method, bits, score, higher=False):
+        return {"task": "ppl", "method": method, "effective_bits": bits, "score": score, "metric": "perplexity",
+                "higher_is_better": higher}  # fmt: skip
+
+    ppl = [row("fp16", 32, 18.0), row("quanto:2", 3.0, 137.0), row("kivi:2", 3.2, 22.8), row("hqekv:2", 3.2, 18.1)]
+    assert plot_cap(ppl) == 36.0
+    assert plot_cap([dict(r, higher_is_better=True) for r in ppl]) is None  # a score that rises is never cut
+    assert plot_cap(ppl[1:]) is None  # no fp16 reference: nothing to cut at
+
+
+def test_plot_writes_one_png_per_task_with_an_off_scale_point(tmp_path):
+    rows = [{"task": "ppl", "method": m, "effective_bits": b, "score": s, "metric": "perplexity",
+             "higher_is_better": False} for m, b, s in (("fp16", 32, 18.0), ("quanto:2", 3.0, 137.0), ("quanto:4", 5.0, 18.2))]  # fmt: skip
+    written = plot(rows, tmp_path)
+    assert [p.name for p in written] == ["ppl.png"] and written[0].stat().st_size > 1000

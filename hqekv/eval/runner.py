@@ -267,6 +267,14 @@ def markdown_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def plot_cap(rows: list[dict]) -> float | None:
+    """Where a plot of one task cuts its y axis: 2x fp16's score for lower-is-better scores, so
+    that one collapsed method (quanto 2-bit perplexity > 100) does not flatten the rest; points
+    above are drawn on the cut, labelled with their value. None: no cut."""
+    ref = [r["score"] for r in rows if r["method"] == "fp16" and r["score"] is not None]
+    return 2 * ref[0] if ref and not rows[0]["higher_is_better"] and ref[0] > 0 else None
+
+
 def plot(rows: list[dict], path: Path) -> list[Path]:
     """One PNG per task: score vs effective bits per element, one line per method family."""
     import matplotlib
@@ -278,15 +286,20 @@ def plot(rows: list[dict], path: Path) -> list[Path]:
     for task, length in dict.fromkeys((r["task"], r.get("length")) for r in rows):
         rs = [r for r in rows if r["task"] == task and r.get("length") == length]
         fig, ax = plt.subplots(figsize=(5.5, 3.8), dpi=100)
+        cap = plot_cap(rs)
         for family in dict.fromkeys(r["method"].split(":")[0] for r in rs):
             pts = sorted((r["effective_bits"], r["score"]) for r in rs if r["method"].split(":")[0] == family)
             if family == "fp16":  # a reference level: its bits would stretch the axis
                 ax.axhline(pts[0][1], color="gray", linestyle="--", label=f"fp16 ({pts[0][0]:.0f} bits)")
                 continue
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=family)
-            for (x, y), r in zip(pts, sorted((r for r in rs if r["method"].split(":")[0] == family),
-                                             key=lambda r: r["effective_bits"])):
-                ax.annotate(r["method"].split(":")[1], (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+            shown = [(x, y if cap is None else min(y, cap)) for x, y in pts]
+            ax.plot([p[0] for p in shown], [p[1] for p in shown], marker="o", label=family)
+            for (x, y), (_, true_y), r in zip(shown, pts, sorted((r for r in rs if r["method"].split(":")[0] == family),
+                                                                key=lambda r: r["effective_bits"])):  # fmt: skip
+                label = r["method"].split(":")[1] + ("" if y == true_y else f" (off scale: {true_y:.4g})")
+                ax.annotate(label, (x, y), fontsize=7, xytext=(3, 3 if y == true_y else -9), textcoords="offset points")
+        if cap is not None:
+            ax.set_ylim(top=cap * 1.03)
         ax.set_xlabel("effective bits per K/V element (real bytes)")
         ax.set_ylabel(rs[0]["metric"])
         at = "" if length is None else f", {length} tokens"
