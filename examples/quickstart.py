@@ -47,7 +47,7 @@ def main():
             dense = sum(layer.keys.nbytes + layer.values.nbytes for layer in out.cache.layers)
             print(f"  DynamicCache: {dense / 2**20:.2f} MiB ({out.cache.layers[0].keys.dtype})")
         else:
-            report = hqekv.memory_report(model)
+            report = hqekv.memory_report(out.cache)
             print("  " + str(report).replace("\n", "\n  "))
             print(f"  memory saved vs FP16: {1 - report.ratio_to_fp16:.1%}; vs this run's dense cache: "
                   f"{1 - report.ratio_to_dense:.1%}")
