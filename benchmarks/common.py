@@ -36,14 +36,15 @@ def dense_cache_bytes(cache) -> int:
     return cache_memory(cache)["cache_bytes"]
 
 
-def save(name: str, payload: dict) -> Path:
-    RESULTS.mkdir(exist_ok=True)
+def save(name: str, payload: dict, path: Path | str | None = None) -> Path:
+    """Write ``payload`` with the machine it ran on to ``results/NAME.json``, or to ``path``."""
+    path = RESULTS / f"{name}.json" if path is None else Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     payload = {
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
                     "threads": torch.get_num_threads()},
         **payload,
     }
-    path = RESULTS / f"{name}.json"
     path.write_text(json.dumps(payload, indent=2) + "\n")
     print(f"saved {path}")
     return path

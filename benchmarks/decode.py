@@ -36,6 +36,8 @@ class StepClock(LogitsProcessor):
         self.times = []
 
     def __call__(self, input_ids, scores):
+        if scores.is_cuda:
+            torch.cuda.synchronize()  # the step's kernels are done, not just launched
         self.times.append(time.perf_counter())
         return scores
 

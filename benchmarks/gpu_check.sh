@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# GPU check (one H200, <= 8 minutes): the kernel tests on CUDA, then the decode-attention
-# benchmark. Runs with the machine's own python3 (torch + triton + transformers, no network):
+# GPU check (one H200, <= 8 minutes): the kernel tests on CUDA, the decode-attention
+# benchmark, then decode through generate on a random-weight Llama-3-8B-shaped model (bf16,
+# 8K and 32K tokens, eager and compiled: CUDA graphs where the graph allows them).
+# Runs with the machine's own python3 (torch + triton + transformers, no network):
 #   bash benchmarks/gpu_check.sh [OUT_DIR]
-# Writes OUT_DIR/gpu_tests.log and OUT_DIR/gpu_kernels.json (default benchmarks/results).
+# Writes OUT_DIR/gpu_tests.log, gpu_kernels.json and gpu_decode.json (default benchmarks/results).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-benchmarks/results}"
@@ -25,7 +27,9 @@ PY
 # Kernel tests (Triton compiled for the GPU, compared with the CPU references) and the
 # patched model's compiled decode on CUDA.
 status=0
-timeout 270 python3 -m pytest -q -p no:cacheprovider tests/kernels tests/test_compile.py -k "not smollm2" 2>&1 \
+timeout 240 python3 -m pytest -q -p no:cacheprovider tests/kernels tests/test_compile.py -k "not smollm2" 2>&1 \
   | tee "$out/gpu_tests.log" || status=1
-timeout 150 python3 benchmarks/kernels.py --out "$out/gpu_kernels.json" || status=1
+timeout 90 python3 benchmarks/kernels.py --out "$out/gpu_kernels.json" || status=1
+timeout 150 python3 benchmarks/decode_random.py --shape llama3-8b --lengths 8192 32768 --bavg 3.2 \
+  --dtype bfloat16 --out "$out/gpu_decode.json" || status=1
 exit $status
