@@ -102,8 +102,7 @@ def gather_chunks(
     if tail is not None:
         every[start : start + b] = tail
     every[-1] = 0
-    offsets = torch.tensor([0, *sizes[:-1]], device=tier.device).cumsum(0)
-    index = torch.where(tier >= 0, offsets[tier.clamp(min=0)] + slot, every.shape[0] - 1)
+    index = _global_slots(tier, slot, sizes, empty=every.shape[0] - 1)
     if tail is not None:
         index = torch.cat([index, start + torch.arange(b, device=tier.device)[:, None]], dim=1)
     # (H, B, C', G, D) -> (B, H, C'·G, D): a view when B = 1
@@ -250,10 +249,11 @@ def _pool_sizes(pools: list[torch.Tensor]) -> list[int]:
     return [pools[0].shape[0]] + [quantized_pool(pools, t)[0].shape[0] for t in QUANTIZED_TIERS]
 
 
-def _global_slots(tier: torch.Tensor, slot: torch.Tensor, sizes: list[int]) -> torch.Tensor:
-    """Table entries (B, C) -> index into all pools of a component laid end to end; empty -> one spare slot."""
+def _global_slots(tier: torch.Tensor, slot: torch.Tensor, sizes: list[int], empty: int | None = None) -> torch.Tensor:
+    """Table entries (B, C) -> index into all pools of a component laid end to end (tier order);
+    an empty entry -> ``empty`` (default: one spare slot after the pools)."""
     offsets = torch.tensor([sum(sizes[:i]) for i in range(len(sizes))], device=tier.device)
-    return torch.where(tier >= 0, offsets[tier.clamp(min=0)] + slot, sum(sizes))
+    return torch.where(tier >= 0, offsets[tier.clamp(min=0)] + slot, sum(sizes) if empty is None else empty)
 
 
 def _key_slots(pools: list[torch.Tensor], sizes: list[int], g: int, d: int):
