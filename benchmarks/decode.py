@@ -73,6 +73,55 @@ def patch(model, bavg):
         hqekv.patch_model(model, bavg=bavg)
 
 
+def measure(model, prompts: dict, warm, bavgs, new_tokens: int, compiled: bool = True, with_loop: bool = False):
+    """Decode tokens/s of every prompt: the unpatched model, then hqekv at each bavg, eager and
+    (``compiled``) through ``generate``'s compiled step; ``with_loop``: also the hand-written
+    loop at the first bavg. -> (a row per prompt length, compile seconds per bavg)."""
+    rows, reference = {}, {}
+    for n, ids in prompts.items():
+        base_tps, reference[n] = generate(model, ids, new_tokens)
+        rows[n] = {"tokens": n, "new_tokens": new_tokens, "dynamic_cache": {"decode_tokens_per_s": base_tps},
+                   "hqekv": {}, "hqekv_compiled": {}}  # fmt: skip
+        if with_loop:
+            rows[n]["loop"] = {"dynamic_cache": loop(model, ids, new_tokens)}
+    compile_s = {}
+    for bavg in bavgs:
+        patch(model, bavg)  # once per bavg: a new patch is new code to compile
+        if compiled:
+            start = time.perf_counter()
+            generate(model, warm, 8, compiled=True)  # compiles the decode step
+            compile_s[str(bavg)] = time.perf_counter() - start
+        for n, ids in prompts.items():
+            row = rows[n]
+            base_tps = row["dynamic_cache"]["decode_tokens_per_s"]
+            tps, tokens = generate(model, ids, new_tokens)
+            row["hqekv"][str(bavg)] = {"decode_tokens_per_s": tps, "ratio": tps / base_tps,
+                                       "same_tokens_fraction": float((tokens == reference[n]).float().mean())}  # fmt: skip
+            if with_loop and bavg == bavgs[0]:
+                row["loop"]["hqekv"] = loop(model, ids, new_tokens)
+                row["loop"]["bavg"] = bavg
+                row["loop"]["ratio"] = row["loop"]["hqekv"] / row["loop"]["dynamic_cache"]
+            if compiled:
+                ctps, ctokens = generate(model, ids, new_tokens, compiled=True)
+                row["hqekv_compiled"][str(bavg)] = {"decode_tokens_per_s": ctps, "ratio": ctps / base_tps,
+                                                    "same_tokens_as_eager": bool(torch.equal(ctokens, tokens))}  # fmt: skip
+        hqekv.unpatch_model(model)
+    for row in rows.values():
+        parts = [f"{row['tokens']:6d} tokens: DynamicCache {row['dynamic_cache']['decode_tokens_per_s']:.1f} tok/s"]
+        for bavg in bavgs:
+            e = row["hqekv"][str(bavg)]
+            text = f"bavg {bavg}: eager {e['decode_tokens_per_s']:.1f} ({e['ratio']:.2f}x)"
+            if compiled:
+                c = row["hqekv_compiled"][str(bavg)]
+                text += f", compiled {c['decode_tokens_per_s']:.1f} ({c['ratio']:.2f}x)"
+            parts.append(text)
+        if with_loop:
+            parts.append(f"loop bavg {bavgs[0]}: {row['loop']['ratio']:.2f}x")
+        print("; ".join(parts), flush=True)
+    print("compile seconds (short prompt, once per bavg):", compile_s)
+    return list(rows.values()), compile_s
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8128])
@@ -86,51 +135,11 @@ def main():
     warm = essay_ids(tok, 256)
     generate(model, warm, 4)  # warm-up
     prompts = {n: essay_ids(tok, n) for n in args.lengths}
-    rows = {}
-    for n, ids in prompts.items():
-        base_tps, base_tokens = generate(model, ids, args.new_tokens)
-        rows[n] = {"tokens": n, "new_tokens": args.new_tokens, "dynamic_cache": {"decode_tokens_per_s": base_tps},
-                   "hqekv": {}, "hqekv_compiled": {}, "loop": {"dynamic_cache": loop(model, ids, args.new_tokens)}}  # fmt: skip
-        rows[n]["_tokens"] = base_tokens
-    compile_s = {}
-    for bavg in args.bavg:
-        patch(model, bavg)  # once per bavg: a new patch is new code to compile
-        if not args.no_compile:
-            start = time.perf_counter()
-            generate(model, warm, 8, compiled=True)  # compiles the decode step
-            compile_s[str(bavg)] = time.perf_counter() - start
-        for n, ids in prompts.items():
-            row = rows[n]
-            base_tps = row["dynamic_cache"]["decode_tokens_per_s"]
-            tps, tokens = generate(model, ids, args.new_tokens)
-            row["hqekv"][str(bavg)] = {"decode_tokens_per_s": tps, "ratio": tps / base_tps,
-                                       "same_tokens_fraction": float((tokens == row["_tokens"]).float().mean())}  # fmt: skip
-            if bavg == args.bavg[0]:
-                row["loop"]["hqekv"] = loop(model, ids, args.new_tokens)
-                row["loop"]["bavg"] = bavg
-                row["loop"]["ratio"] = row["loop"]["hqekv"] / row["loop"]["dynamic_cache"]
-            if not args.no_compile:
-                ctps, ctokens = generate(model, ids, args.new_tokens, compiled=True)
-                row["hqekv_compiled"][str(bavg)] = {"decode_tokens_per_s": ctps, "ratio": ctps / base_tps,
-                                                    "same_tokens_as_eager": bool(torch.equal(ctokens, tokens))}  # fmt: skip
-        hqekv.unpatch_model(model)
-    for row in rows.values():
-        row.pop("_tokens")
-        parts = [f"{row['tokens']:5d} tokens: DynamicCache {row['dynamic_cache']['decode_tokens_per_s']:.1f} tok/s"]
-        for bavg in args.bavg:
-            e = row["hqekv"][str(bavg)]
-            text = f"bavg {bavg}: eager {e['decode_tokens_per_s']:.1f} ({e['ratio']:.2f}x)"
-            if not args.no_compile:
-                c = row["hqekv_compiled"][str(bavg)]
-                text += f", compiled {c['decode_tokens_per_s']:.1f} ({c['ratio']:.2f}x)"
-            parts.append(text)
-        parts.append(f"loop bavg {args.bavg[0]}: {row['loop']['ratio']:.2f}x")
-        print("; ".join(parts), flush=True)
-    print("compile seconds (short prompt, once per bavg):", compile_s)
+    rows, compile_s = measure(model, prompts, warm, args.bavg, args.new_tokens, not args.no_compile, with_loop=True)
     save(f"decode-{args.dtype}" if args.dtype != "float32" else "decode", {
         "model": "HuggingFaceTB/SmolLM2-135M-Instruct (GGUF Q4_1)", "device": "cpu", "dtype": args.dtype,
         "path": "pytorch reference", "measured_through": "model.generate (greedy), eager and compile_config",
-        "compile_seconds": compile_s, "rows": list(rows.values()),
+        "compile_seconds": compile_s, "rows": rows,
     })  # fmt: skip
 
 

@@ -13,15 +13,11 @@ step as in ``decode.py``; the prompt is random token ids, so the tokens say noth
 """
 
 import argparse
-import time
-import warnings
 
 import torch
 from common import save
-from decode import generate
+from decode import generate, measure
 from transformers import LlamaConfig, LlamaForCausalLM
-
-import hqekv
 
 SHAPES = {
     "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
@@ -49,34 +45,12 @@ def main():
     gen = torch.Generator().manual_seed(0)
     prompts = {n: torch.randint(0, model.config.vocab_size, (1, n), generator=gen).to(device) for n in args.lengths}
     warm = torch.randint(0, model.config.vocab_size, (1, 256), generator=gen).to(device)
-    generate(model, warm, 4)
-    rows = {n: {"tokens": n, "dynamic_cache": {"decode_tokens_per_s": generate(model, ids, args.new_tokens)[0]},
-                "hqekv": {}, "hqekv_compiled": {}} for n, ids in prompts.items()}  # fmt: skip
-    compile_s = {}
-    for bavg in args.bavg:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", hqekv.UncalibratedRatiosWarning)
-            hqekv.patch_model(model, bavg=bavg)
-        if not args.no_compile:
-            start = time.perf_counter()
-            generate(model, warm, 8, compiled=True)
-            compile_s[str(bavg)] = time.perf_counter() - start
-        for n, ids in prompts.items():
-            row, base = rows[n], rows[n]["dynamic_cache"]["decode_tokens_per_s"]
-            tps, _ = generate(model, ids, args.new_tokens)
-            row["hqekv"][str(bavg)] = {"decode_tokens_per_s": tps, "ratio": tps / base}
-            if not args.no_compile:
-                ctps, _ = generate(model, ids, args.new_tokens, compiled=True)
-                row["hqekv_compiled"][str(bavg)] = {"decode_tokens_per_s": ctps, "ratio": ctps / base}
-            text = f"{n:6d} tokens, bavg {bavg}: eager {tps:.1f} tok/s ({tps / base:.2f}x DynamicCache {base:.1f})"
-            if not args.no_compile:
-                text += f", compiled {ctps:.1f} ({ctps / base:.2f}x)"
-            print(text, flush=True)
-        hqekv.unpatch_model(model)
+    generate(model, warm, 4)  # warm-up
+    rows, compile_s = measure(model, prompts, warm, args.bavg, args.new_tokens, not args.no_compile)
     payload = {"shape": args.shape, "config": SHAPES[args.shape], "device": device,
                "device_name": torch.cuda.get_device_name() if device == "cuda" else "cpu", "dtype": args.dtype,
                "weights": "random", "measured_through": "model.generate (greedy), eager and compile_config",
-               "compile_seconds": compile_s, "rows": list(rows.values())}  # fmt: skip
+               "compile_seconds": compile_s, "rows": rows}  # fmt: skip
     save(f"decode_random-{args.shape}", payload, args.out)
 
 
