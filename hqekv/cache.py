@@ -142,7 +142,7 @@ _ROW_PARTS = {
     "tables": ("chunk_pos", "k_tier", "k_slot", "v_tier", "v_slot"),
     "tail": ("tail_k", "tail_v", "tail_len"),
     "window": ("win_q", "win_pos", "win_valid"),
-    "counters": ("real_len", "n_chunks", "n_evicted", "since_rerank"),
+    "counters": ("real_len", "n_chunks", "n_evicted", "since_rerank", "overrun"),
 }
 """The per-row tensors of a layer by the part of the memory report they count in; the one
 list that reordering rows, copying a layer and byte accounting all read."""
@@ -166,7 +166,6 @@ class HqeKVLayer(RowStateLayer):
         super().__init__()
         self.config = config
         self.layer_idx = layer_idx
-        self.seen = 0
         self.has_tokens = False
 
     # --- CacheLayerMixin contract ----------------------------------------------------------
@@ -179,6 +178,7 @@ class HqeKVLayer(RowStateLayer):
         hq = query_states.shape[1] if query_states is not None else h
         g = cfg.chunk_size
         self.device, self.dtype = key_states.device, key_states.dtype
+        self.init_length(self.device)
         self.meta_dtype = cfg.resolve_metadata_dtype(self.dtype)
         self.fp_dtype = cfg.resolve_fp_dtype(self.dtype)  # FP16 chunks, tail, window queries
         self.rotation = rotation_matrix(cfg.rotation, d, self.device)  # (D, D) float32 or None
@@ -204,7 +204,11 @@ class HqeKVLayer(RowStateLayer):
         self.n_chunks = torch.zeros(b, **long)
         self.n_evicted = torch.zeros(b, **long)
         self.since_rerank = torch.full((b,), cfg.rerank_interval, **long)
+        self.overrun = torch.zeros(b, dtype=torch.bool, device=self.device)  # a decode step found the tail full
         self.decoded = False  # decode steps wrote tail tokens that maintain() has not yet checked
+        self.unchecked_steps = 0  # maintain() calls after decode steps since its last look at the tails
+        self.headroom = 0  # decode steps before any tail can be full, as of that look
+        self.look_every_step = self.device.type == "cpu"  # where a host read costs no sync
         self.is_initialized = True
 
     def update(self, key_states, value_states, *args, **kwargs):
@@ -272,6 +276,8 @@ class HqeKVLayer(RowStateLayer):
             self.maintain()
         out = unrotate(self._mixed_attention(q_r, k_r, v_r, new_valid), r)
         if s == 1:
+            # a row whose full tail could not take an earlier token lost it: NaN, never a plausible answer
+            out = out.masked_fill(self.overrun[:, None, None, None], float("nan"))
             self._store_decode_token(q_r, k_r, v_r, new_valid)
         else:
             self._store(q_r, k_r, v_r, new_valid)
@@ -296,6 +302,7 @@ class HqeKVLayer(RowStateLayer):
         with torch.no_grad():
             self._append(query.detach(), key.detach(), value.detach(), new_valid)
         self.has_tokens = True
+        self.headroom = 0  # the tails changed by more than a token: look at them after the next decode step
         self._mark_sizes_dynamic()
 
     def _mark_sizes_dynamic(self) -> None:
@@ -314,11 +321,15 @@ class HqeKVLayer(RowStateLayer):
     def _store_decode_token(self, query, key, value, new_valid) -> None:
         """Write one token per row into the tail and the query window, with fixed shapes.
 
-        The tail has room: :meth:`maintain` flushed it when it filled up.
+        The tail has room when :meth:`maintain` ran since the last step; a row whose tail is
+        full keeps its tail and is marked ``overrun`` (NaN output, an error at the next
+        :meth:`maintain`).
         """
         with torch.no_grad():
             b, h, _, d = key.shape
-            ok = new_valid[:, 0]
+            room = self.tail_len < self.config.chunk_size
+            self.overrun |= new_valid[:, 0] & ~room
+            ok = new_valid[:, 0] & room
             at = self.tail_len.clamp(max=self.config.chunk_size - 1)[:, None, None, None].expand(b, h, 1, d)
             for tail, new in ((self.tail_k, key), (self.tail_v, value)):
                 tail.scatter_(2, at, torch.where(ok[:, None, None, None], new.to(tail.dtype), tail.gather(2, at)))
@@ -339,21 +350,26 @@ class HqeKVLayer(RowStateLayer):
         """Flush full tails into FP16 chunks and re-rank the rows that are due (SPEC §1.4); eager.
 
         A decode step leaves a tail of G tokens in place; this moves it into the chunk table
-        before the next token is stored (the patched model calls it before every forward).
-        Nothing to do, and no host sync, unless decode steps wrote tokens since the last call.
+        before the next token is stored (the patched model and ``generate`` call it before
+        every step). Each decode step adds at most one token to a tail, so the host knows
+        how many steps must pass before any tail can be full: only then does it look at the
+        tails (one host sync, about once per G tokens), check what the decode steps stored
+        (:func:`check_storable`) and flush. On a CPU, where reading a tensor costs no sync,
+        every step is checked, so a NaN or an overflow raises before the next token.
         """
         if not self.is_initialized or not self.decoded:
             return
-        g = self.config.chunk_size
-        full = self.tail_len >= g
-        # one host sync: is a flush due, and can the tail the decode steps wrote be kept (check_storable)
-        peak = torch.maximum(self.tail_k.abs().amax(), self.tail_v.abs().amax()).float()
-        due_any, peak = torch.stack([full.any().float(), peak]).tolist()
-        if not math.isfinite(peak) or peak > _FLOAT16_MAX:
-            check_storable(self.layer_idx, (self.tail_k, self.tail_v), (self.fp_dtype, self.meta_dtype), self.seen)
-        if not due_any:
-            self.decoded = False
+        self.decoded = False
+        self.unchecked_steps += 1
+        if self.unchecked_steps < self.headroom and not self.look_every_step:
             return
+        g = self.config.chunk_size
+        tail_len = self._look()
+        self.unchecked_steps = 0
+        self.headroom = g - max((n for n in tail_len if n < g), default=0)
+        if max(tail_len) < g:
+            return
+        full = self.tail_len >= g
         with torch.no_grad():
             chunk = lambda t: t[:, None].transpose(1, 2).reshape(t.shape[0], 1, *t.shape[1:])  # noqa: E731
             self._add_fp16_chunks(chunk(self.tail_k), chunk(self.tail_v), full[:, None])
@@ -361,8 +377,25 @@ class HqeKVLayer(RowStateLayer):
             due = full & (self.since_rerank >= self.config.rerank_interval)
             if bool(due.any()):
                 self.rerank(due)
-        self.decoded = False
         self._mark_sizes_dynamic()
+
+    def _look(self) -> list[int]:
+        """The one host sync of :meth:`maintain`: each row's tail length, after checking what
+        the decode steps stored and that none of them found a full tail."""
+        peak = torch.maximum(self.tail_k.abs().amax(), self.tail_v.abs().amax()).float()
+        *tail_len, peak, overrun = torch.cat(
+            [self.tail_len.float(), peak[None], self.overrun.any().float()[None]]
+        ).tolist()
+        if overrun:
+            rows = self.overrun.nonzero().flatten().tolist()
+            raise RuntimeError(
+                f"layer {self.layer_idx}: decode steps ran without HqeKVCache.maintain() between them, and the full "
+                f"FP16 tail of rows {rows} could not take a token (their outputs since are NaN); call cache.maintain() "
+                "before each decode step of a compiled model (generate does it)"
+            )
+        if not math.isfinite(peak) or peak > _FLOAT16_MAX:
+            check_storable(self.layer_idx, (self.tail_k, self.tail_v), (self.fp_dtype, self.meta_dtype), self.seen)
+        return [int(n) for n in tail_len]
 
     # --- storage -------------------------------------------------------------------------------
 
@@ -523,7 +556,7 @@ class HqeKVLayer(RowStateLayer):
         if not bool((self.k_tier[self.chunk_pos >= 0] == FP16).all()):
             raise ValueError("with_tiers re-tiers FP16 chunks only (the state right after an FP16 prefill)")
         layer = copy.copy(self)
-        for name in _ROW_STATE:  # decode steps update some in place; the tables are replaced below
+        for name in (*_ROW_STATE, "length"):  # decode steps update some in place; the tables are replaced below
             setattr(layer, name, getattr(self, name).clone())
         layer.config = config
         kept = (self.chunk_pos[0] >= 0) & (k_tier[0] != EVICTED)
@@ -643,6 +676,7 @@ class HqeKVLayer(RowStateLayer):
                 out[f"{comp}.{TIER_NAMES[t]}"] = sum(x.nbytes for x in pools[t].tensors())
         for part, names in _ROW_PARTS.items():
             out[part] = sum(getattr(self, n).nbytes for n in names)
+        out["counters"] += self.length.nbytes
         return out
 
     def chunk_counts(self) -> dict[str, int]:
@@ -696,15 +730,32 @@ class HqeKVCache(Cache):
         """The compressed (global attention) layers."""
         return [layer for layer in self.layers if isinstance(layer, HqeKVLayer)]
 
+    @property
+    def holds_tokens(self) -> bool:
+        """Whether a forward has stored tokens, which later forwards attend over."""
+        return self.layers[0].has_tokens
+
+    def length_tensor(self) -> torch.Tensor:
+        """The logical length as a 0-d int64 tensor (read inside compiled graphs; see ``seen``)."""
+        return self.layers[0].length
+
     def maintain(self) -> None:
-        """Flush full tails and re-rank where due, in every layer (eager; see :meth:`HqeKVLayer.maintain`)."""
+        """The eager step between decode steps: flush full tails and re-rank where due, in
+        every layer (:meth:`HqeKVLayer.maintain`).
+
+        A patched model runs it before every eager forward and ``generate`` before every
+        step, compiled or not. A loop that calls a compiled model itself must call it
+        before each decode step; without it a full tail cannot take the next token, and the
+        layer answers NaN for that row and raises at the next call.
+        """
         for layer in self.layers:
             layer.maintain()
 
     def advance(self, n_new: int) -> None:
-        """Count ``n_new`` more tokens in the logical length of every layer, after a forward."""
+        """Count ``n_new`` more tokens in the logical length of every layer, after a forward (traceable)."""
         for layer in self.layers:
-            layer.seen += n_new
+            if layer.is_initialized:
+                layer.advance(n_new)
 
     def memory_report(self):
         """Real bytes per tier and part, against FP16 and dense caches: a :class:`MemoryReport`.

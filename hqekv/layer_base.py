@@ -9,9 +9,30 @@ from transformers.cache_utils import CacheLayerMixin
 
 class RowStateLayer(CacheLayerMixin):
     """A cache layer whose per-row tensors are named in ``ROW_STATE`` (the first one's rows
-    give the batch size); ``seen`` is the logical length, padding and evicted tokens included."""
+    give the batch size).
+
+    The logical length (padding and evicted tokens included) is ``length``, a 0-d int64
+    tensor on the layer's device that forwards advance in place, as transformers'
+    ``StaticLayer`` keeps ``cumulative_length``: a compiled decode step reads and advances
+    it without a Python int reaching its graph. ``seen`` reads it on the host.
+    """
 
     ROW_STATE: tuple[str, ...] = ()
+
+    def init_length(self, device: torch.device) -> None:
+        """Start counting at 0 on ``device`` (called by ``lazy_initialization``)."""
+        self.length = torch.zeros((), dtype=torch.long, device=device)
+        if not torch.compiler.is_compiling():
+            torch._dynamo.mark_static_address(self.length)  # one address for CUDA graphs
+
+    @property
+    def seen(self) -> int:
+        """The logical length as a Python int (a host read of ``length``)."""
+        return int(self.length) if self.is_initialized else 0
+
+    def advance(self, n_new: int) -> None:
+        """Count ``n_new`` more tokens, in place (traceable)."""
+        self.length.add_(n_new)
 
     def get_seq_length(self) -> int:
         return self.seen
@@ -20,7 +41,6 @@ class RowStateLayer(CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
-        self.seen = 0
         self.has_tokens = False
         self.is_initialized = False
 

@@ -282,6 +282,7 @@ def patch_model(
             raise ValueError(f"found no attention modules of {classes} in {type(model).__name__}")
         record.replace(decoder, "forward", _DecoderForward(model, decoder))
         record.replace(model, "_prepare_cache_for_generation", _PrepareCache(model))
+        record.replace(model, "prepare_inputs_for_generation", _PrepareInputs(model))
         record.replace(model, "generate", _Generate(model))
         record.replace(model, "create_masks_for_generate", _padding_mask_for_generate)
     except BaseException:
@@ -348,35 +349,49 @@ class _DecoderForward:
         self.cache_name = cache_argument(forward)
 
     def __call__(self, *args, **kwargs):
-        arguments, cache, n_new = _prepare_forward(self, args, kwargs)
+        prepared = _compiled_decode_arguments(self, args, kwargs) if torch.compiler.is_compiling() else None
+        arguments, cache, n_new = prepared or _prepare_forward(self, args, kwargs)
         if self.original is not None:
             out = self.original(**arguments)
         else:
             out = type(self.decoder).forward(self.decoder, **arguments)
         if cache is not None:
-            _finish(cache, n_new)
+            cache.advance(n_new)
         return out
 
+    def arguments(self, args, kwargs) -> tuple[dict, HqeKVCache | None]:
+        """The call's arguments by name, the cache taken out of them."""
+        if len(args) > len(self.positional):
+            raise TypeError(
+                f"{type(self.model).__name__} decoder takes at most {len(self.positional)} positional arguments"
+            )
+        arguments = {**dict(zip(self.positional, args)), **kwargs}
+        # The cache comes as `cache` or `past_key_values` (the name before transformers 5.2x);
+        # it goes on under the name this transformers version's decoder takes.
+        named = [arguments.pop(name, None) for name in CACHE_ARGUMENTS]
+        return arguments, next((c for c in named if c is not None), None)
 
-@torch.compiler.disable
-def _prepare_forward(wrapper: _DecoderForward, args, kwargs) -> tuple[dict, HqeKVCache | None, int]:
-    """Eager step before each forward: cache, padding mask, maintenance, fixed-shape inputs."""
-    model = wrapper.model
-    if len(args) > len(wrapper.positional):
-        raise TypeError(f"{type(model).__name__} decoder takes at most {len(wrapper.positional)} positional arguments")
-    arguments = {**dict(zip(wrapper.positional, args)), **kwargs}
-    # The cache comes as `cache` or `past_key_values` (the name before transformers 5.2x);
-    # it goes on under the name this transformers version's decoder takes.
-    named = [arguments.pop(name, None) for name in CACHE_ARGUMENTS]
-    cache = next((c for c in named if c is not None), None)
-    use_cache = arguments.get("use_cache")
-    if use_cache is None:
-        use_cache = model.config.get_text_config().use_cache
-    if cache is None and use_cache:
-        cache = new_cache(model)
+
+def _compiled_decode_arguments(wrapper: _DecoderForward, args, kwargs) -> tuple[dict, HqeKVCache, int] | None:
+    """Inside a compiled graph, the inputs of a forward over a cache that holds tokens; else None.
+
+    Traceable: no host sync and no Python int that changes from token to token. The eager
+    maintenance step (:meth:`HqeKVCache.maintain`) is not part of it: ``generate`` runs it
+    between steps, and a loop that calls a compiled model itself calls ``cache.maintain()``
+    before each step.
+    """
+    arguments, cache = wrapper.arguments(args, kwargs)
+    if not isinstance(cache, HqeKVCache) or not cache.holds_tokens:
+        return None  # a prefill, or no hqekv cache: the eager step (a graph break)
     arguments[wrapper.cache_name] = cache
-    if not isinstance(cache, HqeKVCache):
-        return arguments, None, 0
+    n_new, batch, device = _check_inputs(wrapper.model, arguments)
+    cache.input_valid = _input_valid(arguments.get("attention_mask"), n_new)
+    _decode_inputs(arguments, cache, n_new, batch, device)
+    return arguments, cache, n_new
+
+
+def _check_inputs(model, arguments: dict) -> tuple[int, int, torch.device]:
+    """-> new tokens, rows and device of the input; errors for what a patched model cannot do."""
     if arguments.get("output_attentions", getattr(model.config, "output_attentions", False)):
         raise ValueError(
             "output_attentions=True: a patched model attends over a compressed cache and returns no attention "
@@ -387,12 +402,43 @@ def _prepare_forward(wrapper: _DecoderForward, args, kwargs) -> tuple[dict, HqeK
         inputs = arguments.get("inputs_embeds")
     if inputs is None:
         raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
-    n_new = inputs.shape[1]
-    if n_new == 0:
+    if inputs.shape[1] == 0:
         raise ValueError("empty input: the prompt has no tokens")
+    return inputs.shape[1], inputs.shape[0], inputs.device
+
+
+def _decode_inputs(arguments: dict, cache: HqeKVCache, n_new: int, batch: int, device: torch.device) -> None:
+    """Inputs of a forward over a cache that holds tokens, with fixed shapes.
+
+    Attention goes through ``hqekv::mixed_attention``, which masks padding with
+    ``cache.input_valid``. Positions come from the cache's length tensor and the model's own
+    mask is a fixed-shape placeholder, so no length reaches a compiled graph as a Python int.
+    """
+    if arguments.get("position_ids") is None:
+        positions = cache.length_tensor() + torch.arange(n_new, device=device)
+        arguments["position_ids"] = positions.to(device)[None].expand(batch, n_new)
+    arguments["attention_mask"] = torch.ones(batch, 1, n_new, 1, dtype=torch.bool, device=device)
+
+
+@torch.compiler.disable(
+    reason="hqekv: a prefill (a forward over an empty cache) runs eagerly; compile with fullgraph=True only the "
+    "decode steps, after an eager prefill (generate's compile does so)"
+)
+def _prepare_forward(wrapper: _DecoderForward, args, kwargs) -> tuple[dict, HqeKVCache | None, int]:
+    """Eager step before each forward: cache, padding mask, maintenance, fixed-shape inputs."""
+    model = wrapper.model
+    arguments, cache = wrapper.arguments(args, kwargs)
+    use_cache = arguments.get("use_cache")
+    if use_cache is None:
+        use_cache = model.config.get_text_config().use_cache
+    if cache is None and use_cache:
+        cache = new_cache(model)
+    arguments[wrapper.cache_name] = cache
+    if not isinstance(cache, HqeKVCache):
+        return arguments, None, 0
+    n_new, batch, device = _check_inputs(model, arguments)
     valid = _input_valid(arguments.get("attention_mask"), n_new)
-    seen = cache.get_seq_length()
-    if valid is not None and seen == 0:
+    if valid is not None and not cache.holds_tokens:
         empty_rows = (~valid.any(1)).nonzero().flatten().tolist()
         if empty_rows:
             raise ValueError(f"batch rows {empty_rows} are all padding: each prompt needs a real token")
@@ -400,21 +446,10 @@ def _prepare_forward(wrapper: _DecoderForward, args, kwargs) -> tuple[dict, HqeK
     record = getattr(model, _RECORD, None)
     if record is not None:
         record.last_cache = weakref.ref(cache)
-    if seen:
-        # The cache holds tokens: attention goes through hqekv::mixed_attention, which masks
-        # padding with `input_valid`. Positions come as a tensor and the model's own mask is a
-        # fixed-shape placeholder, so no length reaches a compiled graph as a Python int.
+    if cache.holds_tokens:
         cache.maintain()
-        if arguments.get("position_ids") is None:
-            positions = torch.arange(seen, seen + n_new, device=inputs.device)
-            arguments["position_ids"] = positions[None].expand(inputs.shape[0], n_new)
-        arguments["attention_mask"] = torch.ones(inputs.shape[0], 1, n_new, 1, dtype=torch.bool, device=inputs.device)
+        _decode_inputs(arguments, cache, n_new, batch, device)
     return arguments, cache, n_new
-
-
-@torch.compiler.disable
-def _finish(cache: HqeKVCache, n_new: int) -> None:
-    cache.advance(n_new)
 
 
 class _PrepareCache:
@@ -433,6 +468,31 @@ class _PrepareCache:
             return
         original = type(self.model)._prepare_cache_for_generation
         return original(self.model, generation_config, model_kwargs, *args, **kwargs)
+
+
+class _PrepareInputs:
+    """``prepare_inputs_for_generation``: the original, then, over a cache that holds tokens,
+    the cache's eager step (:meth:`HqeKVCache.maintain`) outside the forward that
+    ``generate`` may compile, and the padding mask of the new tokens only."""
+
+    def __init__(self, model):
+        self.model = model
+        self.original = model.__dict__.get("prepare_inputs_for_generation")
+
+    def __call__(self, *args, **kwargs):
+        prepare = self.original or type(self.model).prepare_inputs_for_generation.__get__(self.model)
+        inputs = prepare(*args, **kwargs)
+        cache = next((inputs.get(name) for name in CACHE_ARGUMENTS if inputs.get(name) is not None), None)
+        if isinstance(cache, HqeKVCache) and cache.holds_tokens:
+            cache.maintain()
+            mask, ids = inputs.get("attention_mask"), inputs.get("input_ids")
+            if ids is None:
+                ids = inputs.get("inputs_embeds")
+            if mask is not None and ids is not None and mask.dim() == 2 and mask.shape[1] > ids.shape[1]:
+                # over a cache that holds tokens the decoder reads only the new tokens' columns:
+                # a fixed-shape input, so a compiled step is not recompiled as the mask grows
+                inputs["attention_mask"] = mask[:, -ids.shape[1] :].contiguous()
+        return inputs
 
 
 def _check_cache_implementation(model, record: _PatchRecord, kwargs: dict) -> None:

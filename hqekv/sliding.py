@@ -75,7 +75,6 @@ class SlidingWindowLayer(RowStateLayer):
         self.config = config
         self.window = window
         self.layer_idx = layer_idx
-        self.seen = 0
         self.has_tokens = False
 
     # --- CacheLayerMixin contract ----------------------------------------------------------
@@ -83,12 +82,15 @@ class SlidingWindowLayer(RowStateLayer):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor, *args) -> None:
         b, h, _, d = key_states.shape
         self.device, self.dtype = key_states.device, key_states.dtype
+        self.init_length(self.device)
         self.fp_dtype = self.config.resolve_fp_dtype(self.dtype)
         self.batch_size, self.num_kv_heads, self.head_dim = b, h, d
         slots = self.window - 1
         self.keys = key_states.new_zeros(b, h, slots, d, dtype=self.fp_dtype)
         self.values = value_states.new_zeros(b, h, slots, d, dtype=self.fp_dtype)
         self.valid = torch.zeros(b, slots, dtype=torch.bool, device=self.device)
+        self.unchecked_steps = 0  # maintain() calls since the window was last checked
+        self.look_every_step = self.device.type == "cpu"  # where a host read costs no sync
         self.is_initialized = True
 
     def update(self, key_states, value_states, *args, **kwargs):
@@ -105,18 +107,25 @@ class SlidingWindowLayer(RowStateLayer):
 
     def maintain(self) -> None:
         """Eager step before each forward: nothing to flush or re-rank, the window slides as
-        tokens arrive; the tokens the last step stored are checked (:func:`~hqekv.cache.check_storable`)."""
-        if self.is_initialized:
-            from .cache import check_storable
+        tokens arrive. The window, which holds the tokens the steps since stored, is checked
+        (:func:`~hqekv.cache.check_storable`): on a CPU at every call, elsewhere every
+        ``chunk_size`` calls (one host sync)."""
+        if not self.is_initialized:
+            return
+        self.unchecked_steps += 1
+        if self.unchecked_steps < min(self.config.chunk_size, self.window - 1) and not self.look_every_step:
+            return
+        self.unchecked_steps = 0
+        from .cache import check_storable
 
-            check_storable(self.layer_idx, (self.keys, self.values), (self.fp_dtype,), self.seen)
+        check_storable(self.layer_idx, (self.keys, self.values), (self.fp_dtype,), self.seen)
 
     def copy(self) -> "SlidingWindowLayer":
         """An independent copy (calibration scores trials from one prefill)."""
         layer = object.__new__(SlidingWindowLayer)
         layer.__dict__.update(self.__dict__)
         if self.is_initialized:
-            for name in _ROW_STATE:
+            for name in (*_ROW_STATE, "length"):
                 setattr(layer, name, getattr(self, name).clone())
         return layer
 
@@ -184,7 +193,7 @@ class SlidingWindowLayer(RowStateLayer):
         """Real bytes of the window, keys and values plus the validity mask."""
         if not self.is_initialized:
             return {}
-        return {"sliding": self.keys.nbytes + self.values.nbytes + self.valid.nbytes}
+        return {"sliding": self.keys.nbytes + self.values.nbytes + self.valid.nbytes, "counters": self.length.nbytes}
 
     def held_tokens(self) -> int:
         """Real (non-padding) tokens in the window, over all rows."""

@@ -78,8 +78,9 @@ def test_compiled_generate_equals_eager_and_compiles_decode_once(setting):
 
 
 def test_generate_with_a_compile_config_decodes_with_the_compiled_step():
-    """``generate(..., compile_config=...)`` compiles the decode step of a patched model (the cache
-    is compileable), keeps the 2-D padding mask, and gives the eager tokens."""
+    """``generate(..., compile_config=...)`` compiles the decode step of a patched model as one
+    whole graph (fullgraph=True; the cache is compileable and its eager step runs between
+    steps), keeps the 2-D padding mask, and gives the eager tokens."""
     model = tiny_llama().to(DEVICE)
     hqekv.patch_model(model, ratios=MIXED)
     assert hqekv.new_cache(model).is_compileable
@@ -92,7 +93,7 @@ def test_generate_with_a_compile_config_decodes_with_the_compiled_step():
     torch._dynamo.reset()
     counter = CompileCounterWithBackend("eager")
     # CompileConfig deep-copies its fields: a function (copied as itself) reaches the counter
-    config = CompileConfig(backend=lambda gm, example_inputs: counter(gm, example_inputs), mode=None)
+    config = CompileConfig(backend=lambda gm, example_inputs: counter(gm, example_inputs), mode=None, fullgraph=True)
     config._compile_all_devices = True  # transformers compiles on CUDA only unless told so
     counts = CompileCounts(counter)
     with torch.no_grad():
@@ -157,7 +158,7 @@ def test_decode_attention_compiles_fullgraph_once_over_flushes_and_reranks():
             got, _ = step(hidden, pe, None, cache=compiled_cache)
         torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-5)
         for cache in (eager_cache, compiled_cache):
-            cache.layers[0].seen += 1
+            cache.layers[0].advance(1)
     assert counter.frame_count == 1  # one graph for all 80 steps
     assert int(layer.n_evicted.sum()) > evicted_after_prefill  # decode re-ranked and evicted, in place
 
@@ -174,3 +175,106 @@ def test_compiled_smollm2_generate_equals_eager(smollm2):
         assert per_step[-1] == per_step[1], per_step
     finally:
         hqekv.unpatch_model(model)
+
+
+class Calls:
+    """Counts calls of one HqeKVLayer method on one layer object (eager code only)."""
+
+    def __init__(self, monkeypatch, layer, name: str):
+        self.count = 0
+        method = getattr(layer, name)
+
+        def counted(*args, **kwargs):
+            self.count += 1
+            return method(*args, **kwargs)
+
+        monkeypatch.setattr(layer, name, counted)
+
+
+def decode_loop(model, cache, tokens: torch.Tensor, step=None) -> list[torch.Tensor]:
+    """Feed ``tokens`` (B, N) one column at a time, the eager step before each; -> logits per step."""
+    step = model if step is None else step
+    logits = []
+    for i in range(tokens.shape[1]):
+        cache.maintain()  # the eager step between decode steps (generate runs it itself)
+        with torch.no_grad():
+            out = step(input_ids=tokens[:, i : i + 1], attention_mask=torch.ones_like(tokens[:, :1]), cache=cache)
+        logits.append(out.logits[:, -1])
+    return logits
+
+
+def test_fullgraph_compiled_model_decodes_100_steps_in_one_graph(monkeypatch):
+    """``torch.compile(model, fullgraph=True)``: 100 decode steps with three tail flushes and two
+    re-ranks (the eager step between steps) run one graph, compiled once, and give eager's logits."""
+    model = tiny_llama().to(DEVICE)
+    hqekv.patch_model(model, ratios=MIXED)
+    ids = torch.randint(1, 128, (2, 72), generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    mask = torch.ones_like(ids)
+    mask[1, :32] = 0  # row 1: 40 real tokens after padding, so both rows flush at the same steps
+    follow = torch.randint(1, 128, (2, 100), generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    caches = [hqekv.new_cache(model), hqekv.new_cache(model)]
+    for cache in caches:  # prefill eagerly: the prefill is not part of the decode graph
+        with torch.no_grad():
+            model(input_ids=ids, attention_mask=mask, cache=cache)
+    eager = decode_loop(model, caches[0], follow)
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")  # functionalizes the in-place cache writes
+    layer = caches[1].layers[0]
+    flushes, reranks = Calls(monkeypatch, layer, "_add_fp16_chunks"), Calls(monkeypatch, layer, "rerank")
+    compiled = decode_loop(model, caches[1], follow, torch.compile(model, fullgraph=True, backend=counter))
+    assert (flushes.count, reranks.count) == (3, 2)
+    assert counter.frame_count == 1
+    for step, (got, expected) in enumerate(zip(compiled, eager)):
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5, msg=lambda m: f"step {step}: {m}")
+    assert caches[1].get_seq_length() == caches[0].get_seq_length() == 172
+
+
+def test_compiled_decode_without_the_eager_step_fails_loudly():
+    """A loop that skips ``cache.maintain()`` cannot flush a full tail: the row answers NaN, never a
+    plausible token, and the next eager step raises."""
+    model = tiny_llama().to(DEVICE)
+    hqekv.patch_model(model, ratios=MIXED)
+    cache = hqekv.new_cache(model)
+    with torch.no_grad():
+        model(input_ids=torch.randint(1, 128, (1, 60), generator=torch.Generator().manual_seed(7)).to(DEVICE),
+              cache=cache)  # fmt: skip
+    torch._dynamo.reset()
+    step = torch.compile(model, fullgraph=True, backend="eager")
+    token = torch.ones(1, 1, dtype=torch.long, device=DEVICE)
+    logits = []
+    with torch.no_grad():
+        for _ in range(6):  # the tail holds 28 tokens: the 5th step finds it full
+            logits.append(step(input_ids=token, cache=cache).logits[0, -1])
+    assert all(torch.isfinite(x).all() for x in logits[:5])
+    assert torch.isnan(logits[5]).all()
+    with pytest.raises(RuntimeError, match="without HqeKVCache.maintain"):
+        cache.maintain()
+
+
+def test_the_eager_step_looks_at_the_tails_about_once_per_chunk(monkeypatch):
+    """Off a CPU the eager step reads the device only when a tail can be full (each decode step
+    adds at most one token): rows whose tails fill at different steps flush at the right
+    step, with the logits of a cache that looks at every step."""
+    model = tiny_llama().to(DEVICE)
+    hqekv.patch_model(model, ratios=MIXED)
+    ids = torch.randint(1, 128, (2, 41), generator=torch.Generator().manual_seed(8)).to(DEVICE)
+    mask = torch.ones_like(ids)
+    mask[1, :7] = 0  # tails of 9 and 2 tokens: the rows fill at different steps
+    follow = torch.randint(1, 128, (2, 100), generator=torch.Generator().manual_seed(9)).to(DEVICE)
+    caches = [hqekv.new_cache(model), hqekv.new_cache(model)]
+    for cache in caches:
+        with torch.no_grad():
+            model(input_ids=ids, attention_mask=mask, cache=cache)
+    every = decode_loop(model, caches[0], follow)
+    layers = caches[1].hqekv_layers
+    looks = []
+    for layer in layers:
+        layer.look_every_step = False
+        looks.append(Calls(monkeypatch, layer, "_look"))
+    scheduled = decode_loop(model, caches[1], follow)
+    for got, expected in zip(scheduled, every):
+        torch.testing.assert_close(got, expected, atol=0, rtol=0)
+    # once after the prefill, then each time a row's tail can be full (each row fills 3 times
+    # in 100 steps, at different steps): 7 looks, not 100
+    assert [calls.count for calls in looks] == [7] * len(layers)
+    assert caches[1].memory_report().chunks == caches[0].memory_report().chunks
