@@ -43,7 +43,7 @@ class StepClock(LogitsProcessor):
 
 
 def compile_config() -> CompileConfig:
-    config = CompileConfig(fullgraph=False)
+    config = CompileConfig(fullgraph=True)  # the decode step is one whole graph
     config._compile_all_devices = True  # transformers compiles on CUDA only unless told so
     return config
 

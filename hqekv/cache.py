@@ -1,17 +1,20 @@
-"""The HqeKV cache: per-tier pools of chunk slots plus per-sequence chunk tables.
+"""The HqeKV cache: one :class:`HqeKVLayer` per global attention layer, composed of parts.
 
-One :class:`HqeKVLayer` per attention layer holds *all* request state of that layer
-(SPEC §1.4 fix: nothing lives on modules or globals). Its storage:
+A layer holds *all* request state of its attention layer (SPEC §1.4 fix: nothing lives on
+modules or globals):
 
-- ``k_pools`` / ``v_pools``: for each tier, a pool of chunk slots. FP16 slots are
-  (N, Hkv, G, D) in the model dtype; quantized slots hold packed int32 codes plus a
-  metadata pair per group (keys: per-channel groups over the G tokens, values: per-token
-  groups of channels).
-- chunk tables (B, C): logical chunk index, K tier and slot, V tier and slot of each kept
-  chunk of each sequence, compacted to the left; -1 marks an empty entry. Evicted chunks
-  are physically gone.
-- the FP16 tail (B, Hkv, G, D) of the newest ``len % G`` tokens of each sequence.
-- the window of the last m queries (after RoPE) that re-ranking scores importance with.
+- ``pools``: per component, the chunk slots of each tier (:mod:`hqekv.pools`);
+- the chunk table (B, C) (:class:`hqekv.rerank.ChunkTable`): logical chunk index, K tier
+  and slot, V tier and slot of each kept chunk of each sequence, compacted to the left;
+  -1 marks an empty entry. Evicted chunks are physically gone;
+- the FP16 tail (B, Hkv, G, D) of the newest ``len % G`` tokens of each sequence;
+- the window of the last m queries (after RoPE) that re-ranking scores importance with;
+- per-row counters, and the logical length (:class:`hqekv.layer_base.RowStateLayer`).
+
+The work is done by the parts' modules: attention over the view in :mod:`hqekv.attention`,
+importance in :mod:`hqekv.importance`, re-ranking's policy and re-quantization in
+:mod:`hqekv.rerank`, byte accounting in :mod:`hqekv.memory`. This module keeps the
+CacheLayerMixin contract, stores tokens (tail, window, flush) and decides when to re-rank.
 
 With ``config.rotation`` set, everything above is stored in a rotated basis: keys, values
 and window queries are multiplied by one orthogonal (D, D) matrix R before they are cached
@@ -21,106 +24,28 @@ attention is unchanged and only the quantizers see rotated vectors.
 Positions stay absolute (keys are cached after RoPE): the cache reports the logical
 length to the model, and attention runs over the physical tokens.
 
-Attention goes through the ``hqekv::mixed_attention`` op (:mod:`hqekv.kernels`). A decode
-step writes its token into the tail with fixed shapes, so it compiles to one graph; a tail
-that fills up becomes a chunk, and re-ranking happens, in :meth:`HqeKVLayer.maintain`, an
-eager step run before each forward.
+A decode step writes its token into the tail with fixed shapes, so it compiles to one
+graph; a tail that fills up becomes a chunk, and re-ranking happens, in
+:meth:`HqeKVLayer.maintain`, an eager step run between steps.
 """
 
 from __future__ import annotations
 
 import copy
-import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import Cache
 
-from . import importance, kernels, policy
+from . import attention, importance, rerank
 from .config import HqeKVConfig
-from .layer_base import RowStateLayer
+from .layer_base import RowStateLayer, check_storable, fits_float16
+from .memory import cache_report
+from .pools import KEY, VALUE, ComponentPools
+from .rerank import ChunkTable
 from .rotation import rotate, rotation_matrix, unrotate
 from .sliding import SlidingWindowLayer
-from .tiers import EVICTED, FP16, QUANTIZED_TIERS, TIER_CODE_BITS, TIER_FORMATS, TIER_NAMES
-
-KEY, VALUE = "k", "v"
-
-
-@dataclass
-class QuantizedPool:
-    """Chunk slots of one component at one quantized tier.
-
-    keys:   codes (N, H, D, ceil(G·b/32)) int32, meta0/meta1 (N, H, D)
-    values: codes (N, H, G, D//g, ceil(g·b/32)) int32, meta0/meta1 (N, H, G, D//g)
-    meta0/meta1 are scale/zero (uniform) or std/mean (normalized).
-    """
-
-    codes: torch.Tensor
-    meta0: torch.Tensor
-    meta1: torch.Tensor
-
-    def select(self, slots: torch.Tensor) -> "QuantizedPool":
-        return QuantizedPool(self.codes[slots], self.meta0[slots], self.meta1[slots])
-
-    @staticmethod
-    def cat(parts: list["QuantizedPool"]) -> "QuantizedPool":
-        return QuantizedPool(*(torch.cat([getattr(p, f) for p in parts]) for f in ("codes", "meta0", "meta1")))
-
-    def tensors(self) -> tuple[torch.Tensor, ...]:
-        return (self.codes, self.meta0, self.meta1)
-
-
-def encode_chunks(chunks: torch.Tensor, tier: int, component: str, value_group: int, meta_dtype: torch.dtype) -> QuantizedPool:
-    """Quantize and pack chunks: (N, H, G, D) -> QuantizedPool at ``tier`` (``hqekv::quantize_pack``)."""
-    bits, normalized = TIER_FORMATS[tier]
-    return QuantizedPool(
-        *kernels.call(kernels.quantize_pack, chunks, bits, normalized, component == KEY, value_group, meta_dtype)
-    )
-
-
-def decode_chunks(
-    pool: QuantizedPool, tier: int, component: str, chunk_size: int, head_dim: int, value_group: int, dtype: torch.dtype
-) -> torch.Tensor:
-    """Unpack and dequantize: QuantizedPool at ``tier`` -> (N, H, G, D) ``dtype`` (``hqekv::dequantize``)."""
-    bits, normalized = TIER_FORMATS[tier]
-    return kernels.call(
-        kernels.dequantize, *pool.tensors(), bits, normalized, component == KEY, value_group, chunk_size, head_dim, dtype
-    )
-
-
-_FLOAT16_MAX = torch.finfo(torch.float16).max
-
-
-def check_storable(
-    layer_idx, states: tuple[torch.Tensor, ...], store_dtypes: tuple[torch.dtype, ...], position: int | None = None
-) -> None:
-    """Raise ``ValueError`` at once for key/value states the cache cannot keep faithfully.
-
-    NaN/inf states (the model itself broke) and, when a part is stored in float16 (the
-    FP16 tier, tail and window of an fp32 model, or float16 scale/zero), values beyond its
-    ±65504 range, which would turn into inf and then NaN logits, silently. An eager check
-    (one host sync), run on every prefill and before every decode step.
-    """
-    peak = torch.stack([t.detach().abs().amax().float() if t.numel() else t.new_zeros((), dtype=torch.float32)
-                        for t in states]).amax()  # fmt: skip
-    peak = float(peak)
-    limit = _FLOAT16_MAX
-    at = "" if position is None else f" (among the newest tokens, before token {position})"
-    fix = (
-        "patch with fp_dtype='bfloat16' (or 'float32') and metadata_dtype='bfloat16' (or 'float32')"
-    )
-    if not math.isfinite(peak):
-        cause = f", or exceeded float16's ±{limit:g} when stored ({fix})" if torch.float16 in store_dtypes else ""
-        raise ValueError(
-            f"non-finite (NaN/inf) key or value states in layer {layer_idx}{at}: the model's own activations "
-            f"overflowed or became NaN (the unpatched model would give NaN from here on){cause}"
-        )
-    if torch.float16 in store_dtypes and peak > limit:
-        raise ValueError(
-            f"key/value states of magnitude {peak:.4g} in layer {layer_idx}{at} exceed float16's range (±{limit:g}), in "
-            f"which this cache stores its full-precision parts or scale/zero; {fix}"
-        )
+from .tiers import EVICTED, FP16, QUANTIZED_TIERS, TIER_NAMES
 
 
 def _stable_order(valid: torch.Tensor, valid_first: bool) -> torch.Tensor:
@@ -186,10 +111,9 @@ class HqeKVLayer(RowStateLayer):
         if d % self.value_group:
             raise ValueError(f"head dim {d} is not a multiple of the value channel group {self.value_group}")
         self.batch_size, self.num_kv_heads, self.head_dim = b, h, d
-        empty = key_states.new_zeros(0, h, g, d)
-        self.k_fp, self.v_fp = empty.to(self.fp_dtype), empty.to(self.fp_dtype)
-        self.k_q = {t: encode_chunks(empty, t, KEY, self.value_group, self.meta_dtype) for t in QUANTIZED_TIERS}
-        self.v_q = {t: encode_chunks(empty, t, VALUE, self.value_group, self.meta_dtype) for t in QUANTIZED_TIERS}
+        self.pools = {
+            c: ComponentPools.empty(key_states, c, g, self.value_group, self.fp_dtype, self.meta_dtype) for c in (KEY, VALUE)
+        }
         long = dict(dtype=torch.long, device=self.device)
         self.chunk_pos = torch.full((b, 0), -1, **long)
         self.k_tier, self.k_slot = self.chunk_pos.clone(), self.chunk_pos.clone()
@@ -288,12 +212,18 @@ class HqeKVLayer(RowStateLayer):
         self.lazy_initialization(key, value, query)
 
     def _mixed_attention(self, query, key, value, new_valid) -> torch.Tensor:
-        """``hqekv::mixed_attention`` over the chunk pools, the tail and the new tokens."""
-        return kernels.call(
-            kernels.mixed_attention, query, key, value, new_valid, self._pool_list(KEY), self._pool_list(VALUE),
-            self.k_tier, self.k_slot, self.v_tier, self.v_slot, self.tail_k, self.tail_v, self.tail_len,
+        """Attention over this layer's view plus the new tokens (:func:`hqekv.attention.attend`)."""
+        return attention.attend(
+            query, key, value, new_valid, self.pools, self.table, self.tail_k, self.tail_v, self.tail_len,
             self.scaling, self.value_group,
         )  # fmt: skip
+
+    @property
+    def table(self) -> ChunkTable:
+        return ChunkTable(self.chunk_pos, self.k_tier, self.k_slot, self.v_tier, self.v_slot)
+
+    def _set_table(self, table: ChunkTable) -> None:
+        self.chunk_pos, self.k_tier, self.k_slot, self.v_tier, self.v_slot = table
 
     @torch.compiler.disable
     def _store(self, query, key, value, new_valid) -> None:
@@ -313,9 +243,9 @@ class HqeKVLayer(RowStateLayer):
         (not even at 0 or 1) and the decode graph is compiled once.
         """
         for component in (KEY, VALUE):
-            for t in self._pool_list(component):
+            for t in self.pools[component].op_order():
                 torch._dynamo.decorators.mark_unbacked(t, 0)
-        for t in (self.k_tier, self.k_slot, self.v_tier, self.v_slot):
+        for t in self.table:
             torch._dynamo.decorators.mark_unbacked(t, 1)
 
     def _store_decode_token(self, query, key, value, new_valid) -> None:
@@ -393,26 +323,11 @@ class HqeKVLayer(RowStateLayer):
                 f"FP16 tail of rows {rows} could not take a token (their outputs since are NaN); call cache.maintain() "
                 "before each decode step of a compiled model (generate does it)"
             )
-        if not math.isfinite(peak) or peak > _FLOAT16_MAX:
+        if not fits_float16(peak):
             check_storable(self.layer_idx, (self.tail_k, self.tail_v), (self.fp_dtype, self.meta_dtype), self.seen)
         return [int(n) for n in tail_len]
 
     # --- storage -------------------------------------------------------------------------------
-
-    def _pools(self, component: str) -> tuple[torch.Tensor, dict[int, QuantizedPool]]:
-        """(FP16 slots, quantized pools by tier) of one component."""
-        return (self.k_fp, self.k_q) if component == KEY else (self.v_fp, self.v_q)
-
-    def _pool_list(self, component: str) -> list[torch.Tensor]:
-        """The pools of one component in ``hqekv::mixed_attention`` order."""
-        fp, quantized = self._pools(component)
-        return [fp, *(x for t in QUANTIZED_TIERS for x in quantized[t].tensors())]
-
-    def _set_pools(self, component: str, fp: torch.Tensor, quantized: dict[int, QuantizedPool]) -> None:
-        if component == KEY:
-            self.k_fp, self.k_q = fp, quantized
-        else:
-            self.v_fp, self.v_q = fp, quantized
 
     def physical_cache(
         self, new_keys: torch.Tensor | None = None, new_values: torch.Tensor | None = None
@@ -424,21 +339,13 @@ class HqeKVLayer(RowStateLayer):
         -> keys, values (B, H, C·G + G + S, D) model dtype, positions (B, C·G + G) int64 (index
         of each cached token within its sequence), valid (B, C·G + G) bool.
         """
-        g = self.config.chunk_size
-        b, c = self.chunk_pos.shape
-        out = []
-        for component, tier, slot, tail, new in (
-            (KEY, self.k_tier, self.k_slot, self.tail_k, new_keys),
-            (VALUE, self.v_tier, self.v_slot, self.tail_v, new_values),
-        ):
-            pools = self._pool_list(component)
-            cached = kernels.gather_chunks(pools, tier, slot, component == KEY, self.value_group, self.dtype, tail)
-            out.append(cached if new is None else torch.cat([cached, new], dim=2))
-        ar = torch.arange(g, device=self.device)
-        positions = torch.cat(
-            [(self.chunk_pos[:, :, None] * g + ar).reshape(b, c * g), self.n_chunks[:, None] * g + ar], dim=1
-        )
-        return out[0], out[1], positions, kernels.cached_tokens(self.chunk_pos >= 0, self.tail_len, g)
+        keys, values, positions, valid = attention.dequantized(
+            self.pools, self.table, self.tail_k, self.tail_v, self.tail_len, self.n_chunks, self.config.chunk_size,
+            self.value_group, self.dtype,
+        )  # fmt: skip
+        if new_keys is not None:
+            keys, values = torch.cat([keys, new_keys], dim=2), torch.cat([values, new_values], dim=2)
+        return keys, values, positions, valid
 
     def _append(self, query, key, value, new_valid) -> None:
         """Window, tail, flush of full chunks into FP16 slots, and re-ranking when due."""
@@ -489,9 +396,11 @@ class HqeKVLayer(RowStateLayer):
         # K and V hold different numbers of FP16 slots once re-ranks have moved some chunks of one
         # component down and not the other's: each new chunk's slot is the end of its own pool.
         added = torch.arange(rows.numel(), device=self.device)
-        k_slots, v_slots = self.k_fp.shape[0] + added, self.v_fp.shape[0] + added
-        self.k_fp = torch.cat([self.k_fp, fk[rows, cols].to(self.fp_dtype)])
-        self.v_fp = torch.cat([self.v_fp, fv[rows, cols].to(self.fp_dtype)])
+        slots = {}
+        for component, new in ((KEY, fk), (VALUE, fv)):
+            pools = self.pools[component]
+            slots[component] = pools.fp.shape[0] + added
+            pools.fp = torch.cat([pools.fp, new[rows, cols].to(self.fp_dtype)])
         n_phys = (self.chunk_pos >= 0).sum(1)
         b, c_old = self.chunk_pos.shape
         c_new = int((n_phys + ok.sum(1)).max())
@@ -501,7 +410,7 @@ class HqeKVLayer(RowStateLayer):
             for t in (self.chunk_pos, self.k_tier, self.k_slot, self.v_tier, self.v_slot)
         ]
         dest = n_phys[rows] + cols
-        for table, value in zip(tables, (self.n_chunks[rows] + cols, FP16, k_slots, FP16, v_slots)):
+        for table, value in zip(tables, (self.n_chunks[rows] + cols, FP16, slots[KEY], FP16, slots[VALUE])):
             table[rows, dest] = value
         self.chunk_pos, self.k_tier, self.k_slot, self.v_tier, self.v_slot = tables
         self.n_chunks = self.n_chunks + ok.sum(1)
@@ -532,52 +441,24 @@ class HqeKVLayer(RowStateLayer):
             score_k, score_v = importance.random_scores(self.chunk_pos, self.layer_idx or 0)
         return keys, values, score_k, score_v
 
-    def with_tiers(
-        self,
-        config: HqeKVConfig,
-        k_tier: torch.Tensor,
-        v_tier: torch.Tensor,
-        k_encoded: dict[int, torch.Tensor | QuantizedPool],
-        v_encoded: dict[int, torch.Tensor | QuantizedPool],
-    ) -> "HqeKVLayer":
-        """A copy of this one-row layer with its chunks put in the given tiers, as a re-rank would.
+    def copy(self, chunks: bool = True) -> "HqeKVLayer":
+        """An independent copy of this layer's state (calibration scores trials from one prefill).
 
-        Calibration scores a tier assignment this way (SPEC §1.5) without re-running the
-        prefill. ``k_tier``/``v_tier`` (1, C) give each chunk of this layer's table a tier
-        (EVICTED drops it from both). ``*_encoded[tier]`` hold every chunk at that tier:
-        FP16 chunks (C, H, G, D) or a QuantizedPool of C slots, encoded from this layer's FP16
-        values. Each tier's pool takes its chunks in table order, as :meth:`_rebuild` stores
-        chunks that move down from FP16, so attention over the copy is the attention over
-        a cache that compressed the same prefill. Tail, window and lengths are copied; this
-        layer is left unchanged.
+        With ``chunks=False`` the copy shares the pools, for a caller that replaces them
+        (:meth:`set_chunks`) before any use.
         """
-        if not self.is_initialized or self.batch_size != 1:
-            raise ValueError("with_tiers needs a one-row layer that has seen tokens")
-        if not bool((self.k_tier[self.chunk_pos >= 0] == FP16).all()):
-            raise ValueError("with_tiers re-tiers FP16 chunks only (the state right after an FP16 prefill)")
         layer = copy.copy(self)
-        for name in (*_ROW_STATE, "length"):  # decode steps update some in place; the tables are replaced below
-            setattr(layer, name, getattr(self, name).clone())
-        layer.config = config
-        kept = (self.chunk_pos[0] >= 0) & (k_tier[0] != EVICTED)
-        index = kept.nonzero().flatten()
-        for component, tier, encoded in ((KEY, k_tier[0, index], k_encoded), (VALUE, v_tier[0, index], v_encoded)):
-            slot = torch.full_like(tier, -1)
-            pools = {}
-            for t in (FP16, *QUANTIZED_TIERS):
-                at = (tier == t).nonzero().flatten()
-                slot[at] = torch.arange(at.numel(), device=self.device)
-                chunks = index[at]
-                pools[t] = encoded[t][chunks].to(self.fp_dtype) if t == FP16 else encoded[t].select(chunks)
-            layer._set_pools(component, pools[FP16], {t: pools[t] for t in QUANTIZED_TIERS})
-            if component == KEY:
-                layer.k_tier, layer.k_slot = tier[None], slot[None]
-            else:
-                layer.v_tier, layer.v_slot = tier[None], slot[None]
-        layer.chunk_pos = self.chunk_pos[:, index]
-        layer.n_evicted = self.n_evicted + int((~kept).sum())
-        layer._mark_sizes_dynamic()
+        if self.is_initialized:
+            for name in (*_ROW_STATE, "length"):
+                setattr(layer, name, getattr(self, name).clone())
+            layer.pools = {c: p.clone() if chunks else p for c, p in self.pools.items()}
         return layer
+
+    def set_chunks(self, table: ChunkTable, pools: dict[str, ComponentPools]) -> None:
+        """Hold ``pools`` through ``table`` in place of the current chunks (:mod:`hqekv.rerank`)."""
+        self._set_table(table)
+        self.pools = pools
+        self._mark_sizes_dynamic()
 
     def rerank(self, rows: torch.Tensor) -> None:
         """Re-rank the chunks of ``rows`` (B,) bool and move them down the tiers (SPEC §1.4).
@@ -585,79 +466,26 @@ class HqeKVLayer(RowStateLayer):
         Importance comes from the window queries over the current cache; chunks only move
         downward (FP16 → 4 → 2 → 1 → evicted), re-quantized from their dequantized values.
         """
-        cfg = self.config
-        g = cfg.chunk_size
+        g = self.config.chunk_size
         keys, values, score_k, score_v = self.chunk_importance()
         b, c = self.chunk_pos.shape
-        chunk_valid = self.chunk_pos >= 0
-        prop_k, prop_v = policy.assign_tiers(
-            score_k,
-            score_v,
-            chunk_valid,
-            cfg.ratios,
-            n_logical=self.n_chunks,
-            n_evicted=self.n_evicted,
-            protected=cfg.protected_chunks,
-            eviction=cfg.eviction,
-            fp16_k=self.k_tier == FP16,
-            fp16_v=self.v_tier == FP16,
-            key_ratios=cfg.key_ratios,
+        table = self.table
+        cfg = self.config
+        prop_k, prop_v = rerank.propose(
+            cfg, score_k, score_v, table, self.n_chunks, self.n_evicted, cfg.ratios, cfg.key_ratios
         )
-        here = rows[:, None] & chunk_valid
+        here = rows[:, None] & (self.chunk_pos >= 0)
         new_k = torch.where(here, torch.maximum(self.k_tier, prop_k), self.k_tier)
         new_v = torch.where(here, torch.maximum(self.v_tier, prop_v), self.v_tier)
         evicted = here & (prop_k == EVICTED)
-        dense_k = keys[:, :, : c * g].reshape(b, self.num_kv_heads, c, g, self.head_dim).transpose(1, 2)
-        dense_v = values[:, :, : c * g].reshape(b, self.num_kv_heads, c, g, self.head_dim).transpose(1, 2)
-        self._rebuild(new_k, new_v, dense_k, dense_v)
+        dense = {
+            component: x[:, :, : c * g].reshape(b, self.num_kv_heads, c, g, self.head_dim).transpose(1, 2)
+            for component, x in ((KEY, keys), (VALUE, values))
+        }
+        table, self.pools = rerank.rebuild(table, self.pools, new_k, new_v, dense, self.value_group, self.meta_dtype)
+        self._set_table(table)
         self.n_evicted = self.n_evicted + evicted.sum(1)
         self.since_rerank = torch.where(rows, 0, self.since_rerank)
-
-    def _rebuild(self, new_k, new_v, dense_k, dense_v) -> None:
-        """Rebuild pools and tables for new tiers (B, C); EVICTED entries are dropped.
-
-        Chunks that keep their tier are copied slot to slot; downgraded ones are
-        re-quantized from their dequantized values ``dense_* (B, C, H, G, D)``.
-        """
-        chunk_valid = self.chunk_pos >= 0
-        kept = chunk_valid & (new_k != EVICTED)
-        new_slots = []
-        for component, old_tier, old_slot, new_tier, dense in (
-            (KEY, self.k_tier, self.k_slot, new_k, dense_k),
-            (VALUE, self.v_tier, self.v_slot, new_v, dense_v),
-        ):
-            fp, pools = self._pools(component)
-            slot = torch.full_like(old_slot, -1)
-            new_pools = {}
-            for t in (FP16, *QUANTIZED_TIERS):
-                at_t = kept & (new_tier == t)
-                same = at_t & (old_tier == t)
-                moved = at_t & (old_tier != t)
-                rs, cs = same.nonzero(as_tuple=True)
-                rm, cm = moved.nonzero(as_tuple=True)
-                slot[rs, cs] = torch.arange(rs.numel(), device=self.device)
-                slot[rm, cm] = rs.numel() + torch.arange(rm.numel(), device=self.device)
-                if t == FP16:
-                    if rm.numel():
-                        raise AssertionError("a chunk moved up to FP16; tiers only move down")
-                    new_pools[t] = fp[old_slot[rs, cs]]
-                else:
-                    fresh = encode_chunks(dense[rm, cm], t, component, self.value_group, self.meta_dtype)
-                    new_pools[t] = QuantizedPool.cat([pools[t].select(old_slot[rs, cs]), fresh])
-            new_slots.append(slot)
-            self._set_pools(component, new_pools[FP16], {t: new_pools[t] for t in QUANTIZED_TIERS})
-
-        # Compact each row's kept chunks to the left, logical order preserved.
-        b = kept.shape[0]
-        width = int(kept.sum(1).max()) if b else 0
-        dest = kept.long().cumsum(1) - 1
-        rows, cols = kept.nonzero(as_tuple=True)
-        tables = []
-        for source in (self.chunk_pos, new_k, new_slots[0], new_v, new_slots[1]):
-            table = torch.full((b, width), -1, dtype=torch.long, device=self.device)
-            table[rows, dest[rows, cols]] = source[rows, cols]
-            tables.append(table)
-        self.chunk_pos, self.k_tier, self.k_slot, self.v_tier, self.v_slot = tables
 
     # --- accounting ----------------------------------------------------------------------------
 
@@ -668,12 +496,7 @@ class HqeKVLayer(RowStateLayer):
         """
         if not self.is_initialized:
             return {}
-        out = {}
-        for comp in (KEY, VALUE):
-            fp, pools = self._pools(comp)
-            out[f"{comp}.fp16"] = fp.nbytes
-            for t in QUANTIZED_TIERS:
-                out[f"{comp}.{TIER_NAMES[t]}"] = sum(x.nbytes for x in pools[t].tensors())
+        out = {f"{comp}.{tier}": n for comp in (KEY, VALUE) for tier, n in self.pools[comp].nbytes().items()}
         for part, names in _ROW_PARTS.items():
             out[part] = sum(getattr(self, n).nbytes for n in names)
         out["counters"] += self.length.nbytes
@@ -758,41 +581,6 @@ class HqeKVCache(Cache):
                 layer.advance(n_new)
 
     def memory_report(self):
-        """Real bytes per tier and part, against FP16 and dense caches: a :class:`MemoryReport`.
-
-        Sliding-window layers count as part ``sliding``; their dense and FP16 baselines are
-        the window the unpatched model keeps, not the whole sequence.
-        """
-        from .memory import MemoryReport
-
-        report = MemoryReport(requested_bavg=self.config.bavg)
-        g = self.config.chunk_size
-        for layer in self.layers:
-            if not layer.is_initialized:
-                continue
-            for part, n in layer.storage().items():
-                report.bytes_by_part[part] = report.bytes_by_part.get(part, 0) + n
-            per_token = layer.num_kv_heads * layer.head_dim  # elements per token per component
-            elt = torch.empty(0, dtype=layer.dtype).element_size()
-            if isinstance(layer, SlidingWindowLayer):
-                held = layer.held_tokens()
-                report.dense_bytes += 2 * layer.batch_size * min(layer.seen, layer.window - 1) * per_token * elt
-                report.fp16_bytes += 2 * held * per_token * 2
-                report.elements += 2 * held * per_token
-                report.sliding_elements += 2 * held * per_token
-                report.code_bits += 2 * held * per_token * 16
-                continue
-            counts = layer.chunk_counts()
-            for part, n in counts.items():
-                # chunk counts add up over layers; token counts are the same in every layer
-                per_layer = part in ("real_tokens", "tail_tokens")
-                report.chunks[part] = n if per_layer else report.chunks.get(part, 0) + n
-            report.dense_bytes += 2 * layer.batch_size * layer.seen * per_token * elt
-            report.fp16_bytes += 2 * counts["real_tokens"] * per_token * 2
-            report.elements += 2 * counts["real_tokens"] * per_token
-            chunk_elements = g * per_token
-            for comp in (KEY, VALUE):
-                for t in (FP16, *QUANTIZED_TIERS):
-                    report.code_bits += counts[f"{comp}.{TIER_NAMES[t]}"] * chunk_elements * TIER_CODE_BITS[t]
-            report.code_bits += 2 * counts["tail_tokens"] * per_token * 16
-        return report
+        """Real bytes per tier and part, against FP16 and dense caches: a :class:`~hqekv.memory.MemoryReport`
+        (:func:`hqekv.memory.cache_report`)."""
+        return cache_report(self.layers, self.config.bavg, self.config.chunk_size)

@@ -20,11 +20,12 @@ from typing import Sequence
 
 import torch
 
-from . import policy
-from .cache import KEY, VALUE, HqeKVCache, encode_chunks
+from . import rerank
+from .cache import HqeKVCache, HqeKVLayer
 from .config import CACHE_SETTINGS, FP16_RATIOS, HqeKVConfig, TierRatios, check_bavg
+from .pools import KEY, VALUE, QuantizedPool, encode_chunks
 from .sliding import SlidingWindowLayer
-from .tiers import QUANTIZED_TIERS
+from .tiers import FP16, QUANTIZED_TIERS
 
 ALPHA = 2.0
 BETA = 4.0
@@ -233,20 +234,9 @@ class CompressionObjective:
         for i, (layer, (score_k, score_v)) in enumerate(zip(self.base.hqekv_layers, self.scores)):
             if layer_ratios is not None:
                 ratios = TierRatios.coerce(layer_ratios[i])
-            valid = layer.chunk_pos >= 0
             out.append(
-                policy.assign_tiers(
-                    score_k,
-                    score_v,
-                    valid,
-                    ratios,
-                    n_logical=layer.n_chunks,
-                    n_evicted=torch.zeros_like(layer.n_chunks),
-                    protected=self.config.protected_chunks,
-                    eviction=self.config.eviction,
-                    fp16_k=valid,
-                    fp16_v=valid,
-                    key_ratios=key_ratios,
+                rerank.propose(
+                    self.config, score_k, score_v, layer.table, layer.n_chunks, layer.n_evicted, ratios, key_ratios
                 )
             )
         return out
@@ -264,7 +254,7 @@ class CompressionObjective:
                 cache.layers[i] = base.copy()  # the continuation's forward slides it in place
             else:
                 layer, (k_tier, v_tier), (k_encoded, v_encoded) = next(trial)
-                cache.layers[i] = layer.with_tiers(self._trial_config, k_tier, v_tier, k_encoded, v_encoded)
+                cache.layers[i] = trial_layer(layer, self._trial_config, k_tier, v_tier, {KEY: k_encoded, VALUE: v_encoded})
         return cache
 
     def _log_probs(self, ratios: TierRatios, key_ratios: TierRatios | None = None, layer_ratios=None) -> torch.Tensor:
@@ -291,6 +281,32 @@ class CompressionObjective:
         """Objective: data term of the KL (:func:`data_term`) + α·δ3 + β·δ4 (SPEC §1.5)."""
         ratios = TierRatios.coerce(ratios)
         return data_term(self.kl(ratios), kl_scale) + alpha * ratios.int1 + beta * ratios.evict
+
+
+def trial_layer(
+    base: HqeKVLayer,
+    config: HqeKVConfig,
+    k_tier: torch.Tensor,
+    v_tier: torch.Tensor,
+    encoded: dict[str, dict[int, torch.Tensor | QuantizedPool]],
+) -> HqeKVLayer:
+    """A copy of ``base``, a one-row layer right after an FP16 prefill, with its chunks put in
+    the tiers ``k_tier``/``v_tier`` (1, C) give them, as a re-rank would (SPEC §1.5).
+
+    ``encoded[component][tier]`` holds every chunk at every tier, encoded once from the
+    FP16 values (:func:`hqekv.rerank.place`). Tail, window and lengths are copied; ``base``
+    is left unchanged.
+    """
+    if not base.is_initialized or base.batch_size != 1:
+        raise ValueError("a trial layer needs a one-row layer that has seen tokens")
+    if not bool((base.k_tier[base.chunk_pos >= 0] == FP16).all()):
+        raise ValueError("a trial layer re-tiers FP16 chunks only (the state right after an FP16 prefill)")
+    layer = base.copy(chunks=False)
+    layer.config = config
+    table, pools, dropped = rerank.place(base.chunk_pos, k_tier, v_tier, encoded, base.fp_dtype)
+    layer.set_chunks(table, pools)
+    layer.n_evicted = layer.n_evicted + dropped
+    return layer
 
 
 def context_length(model, context_tokens: int | None, continuation_tokens: int, segments: int = 1) -> int:

@@ -1,10 +1,51 @@
-"""What every hqekv cache layer shares: the logical length and the per-row state that beam
-search and batch selection reorder."""
+"""What every hqekv cache layer shares: the logical length, the per-row state that beam
+search and batch selection reorder, and the check of what a layer may store."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 from transformers.cache_utils import CacheLayerMixin
+
+
+_FLOAT16_MAX = torch.finfo(torch.float16).max
+
+
+def fits_float16(peak: float) -> bool:
+    """Whether a magnitude read from the device is finite and within float16's range."""
+    return math.isfinite(peak) and peak <= _FLOAT16_MAX
+
+
+def check_storable(
+    layer_idx, states: tuple[torch.Tensor, ...], store_dtypes: tuple[torch.dtype, ...], position: int | None = None
+) -> None:
+    """Raise ``ValueError`` at once for key/value states the cache cannot keep faithfully.
+
+    NaN/inf states (the model itself broke) and, when a part is stored in float16 (the
+    FP16 tier, tail and window of an fp32 model, or float16 scale/zero), values beyond its
+    ±65504 range, which would turn into inf and then NaN logits, silently. An eager check
+    (one host sync), run on every prefill and before every decode step.
+    """
+    peak = torch.stack([t.detach().abs().amax().float() if t.numel() else t.new_zeros((), dtype=torch.float32)
+                        for t in states]).amax()  # fmt: skip
+    peak = float(peak)
+    limit = _FLOAT16_MAX
+    at = "" if position is None else f" (among the newest tokens, before token {position})"
+    fix = (
+        "patch with fp_dtype='bfloat16' (or 'float32') and metadata_dtype='bfloat16' (or 'float32')"
+    )
+    if not math.isfinite(peak):
+        cause = f", or exceeded float16's ±{limit:g} when stored ({fix})" if torch.float16 in store_dtypes else ""
+        raise ValueError(
+            f"non-finite (NaN/inf) key or value states in layer {layer_idx}{at}: the model's own activations "
+            f"overflowed or became NaN (the unpatched model would give NaN from here on){cause}"
+        )
+    if torch.float16 in store_dtypes and peak > limit:
+        raise ValueError(
+            f"key/value states of magnitude {peak:.4g} in layer {layer_idx}{at} exceed float16's range (±{limit:g}), in "
+            f"which this cache stores its full-precision parts or scale/zero; {fix}"
+        )
 
 
 class RowStateLayer(CacheLayerMixin):

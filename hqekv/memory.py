@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+
+import torch
+
+from .pools import KEY, VALUE
+from .tiers import FP16, QUANTIZED_TIERS, TIER_CODE_BITS, TIER_NAMES
 
 
 OVER_BUDGET_WARNING = 1.0
@@ -130,3 +136,43 @@ class MemoryReport:
                 + f" | evicted={c.get('evicted', 0)} tail tokens={c.get('tail_tokens', 0)}"
             )
         return "\n".join(lines)
+
+
+def cache_report(layers: Iterable, requested_bavg: float | None, chunk_size: int) -> MemoryReport:
+    """The :class:`MemoryReport` of a cache's layers: each layer's ``storage()`` bytes, and its
+    elements and code bits from ``chunk_counts()`` (an HqeKV layer) or ``held_tokens()`` (a
+    sliding-window layer, ``is_sliding``).
+
+    Sliding-window layers count as part ``sliding``; their dense and FP16 baselines are the
+    window the unpatched model keeps, not the whole sequence.
+    """
+    report = MemoryReport(requested_bavg=requested_bavg)
+    for layer in layers:
+        if not layer.is_initialized:
+            continue
+        for part, n in layer.storage().items():
+            report.bytes_by_part[part] = report.bytes_by_part.get(part, 0) + n
+        per_token = layer.num_kv_heads * layer.head_dim  # elements per token per component
+        elt = torch.empty(0, dtype=layer.dtype).element_size()
+        if layer.is_sliding:
+            held = layer.held_tokens()
+            report.dense_bytes += 2 * layer.batch_size * min(layer.seen, layer.window - 1) * per_token * elt
+            report.fp16_bytes += 2 * held * per_token * 2
+            report.elements += 2 * held * per_token
+            report.sliding_elements += 2 * held * per_token
+            report.code_bits += 2 * held * per_token * 16
+            continue
+        counts = layer.chunk_counts()
+        for part, n in counts.items():
+            # chunk counts add up over layers; token counts are the same in every layer
+            per_layer = part in ("real_tokens", "tail_tokens")
+            report.chunks[part] = n if per_layer else report.chunks.get(part, 0) + n
+        report.dense_bytes += 2 * layer.batch_size * layer.seen * per_token * elt
+        report.fp16_bytes += 2 * counts["real_tokens"] * per_token * 2
+        report.elements += 2 * counts["real_tokens"] * per_token
+        chunk_elements = chunk_size * per_token
+        for comp in (KEY, VALUE):
+            for t in (FP16, *QUANTIZED_TIERS):
+                report.code_bits += counts[f"{comp}.{TIER_NAMES[t]}"] * chunk_elements * TIER_CODE_BITS[t]
+        report.code_bits += 2 * counts["tail_tokens"] * per_token * 16
+    return report

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 from .config import HqeKVConfig
-from .layer_base import RowStateLayer
+from .layer_base import RowStateLayer, check_storable
 
 _ROW_STATE = ("keys", "values", "valid")
 
@@ -108,7 +108,7 @@ class SlidingWindowLayer(RowStateLayer):
     def maintain(self) -> None:
         """Eager step before each forward: nothing to flush or re-rank, the window slides as
         tokens arrive. The window, which holds the tokens the steps since stored, is checked
-        (:func:`~hqekv.cache.check_storable`): on a CPU at every call, elsewhere every
+        (:func:`~hqekv.layer_base.check_storable`): on a CPU at every call, elsewhere every
         ``chunk_size`` calls (one host sync)."""
         if not self.is_initialized:
             return
@@ -116,8 +116,6 @@ class SlidingWindowLayer(RowStateLayer):
         if self.unchecked_steps < min(self.config.chunk_size, self.window - 1) and not self.look_every_step:
             return
         self.unchecked_steps = 0
-        from .cache import check_storable
-
         check_storable(self.layer_idx, (self.keys, self.values), (self.fp_dtype,), self.seen)
 
     def copy(self) -> "SlidingWindowLayer":
@@ -158,8 +156,6 @@ class SlidingWindowLayer(RowStateLayer):
         if not self.is_initialized:
             self._initialize(key, value)
         if not self.has_tokens and not torch.compiler.is_compiling():
-            from .cache import check_storable
-
             check_storable(self.layer_idx, (key, value), (self.fp_dtype,))
         if not self.has_tokens and dense_attention is not None:
             out = dense_attention(query, key, value)  # the model's own sliding mask: exactly its prefill

@@ -287,7 +287,7 @@ def test_full_precision_parts_are_16_bit_whatever_the_model_dtype(tiny, fp_dtype
             for _ in range(40):  # decode steps: tail writes, a flush and a re-rank
                 cache = output_cache(tiny(ids[:, :1], cache=cache, use_cache=True))
         for layer in cache.layers:
-            assert {layer.k_fp.dtype, layer.v_fp.dtype, layer.tail_k.dtype, layer.tail_v.dtype, layer.win_q.dtype} == {stored}
+            assert {layer.pools["k"].fp.dtype, layer.pools["v"].fp.dtype, layer.tail_k.dtype, layer.tail_v.dtype, layer.win_q.dtype} == {stored}
         report = cache.memory_report()
         bits = 8 * stored.itemsize
         per_element = 8 * (report.bytes_by_part["k.fp16"] + report.bytes_by_part["v.fp16"]) / report.elements
@@ -475,7 +475,7 @@ def _check_slot_tables(layer):
 
     valid = layer.chunk_pos >= 0
     for component, tier, slot in (("k", layer.k_tier, layer.k_slot), ("v", layer.v_tier, layer.v_slot)):
-        fp, pools = layer._pools(component)
+        fp, pools = layer.pools[component].fp, layer.pools[component].quantized
         sizes = {FP16: fp.shape[0], **{t: pools[t].codes.shape[0] for t in QUANTIZED_TIERS}}
         for t, size in sizes.items():
             assert sorted(slot[valid & (tier == t)].tolist()) == list(range(size)), (component, t)
@@ -516,7 +516,7 @@ def test_full_precision_chunks_hold_their_own_tokens_through_chunked_feeding_and
         _check_slot_tables(layer)
         keys, values = (torch.cat([kv[i] for kv in fed[layer.layer_idx]], dim=2) for i in (0, 1))
         k_phys, v_phys, positions, _ = layer.physical_cache()
-        diverged |= layer.k_fp.shape[0] != layer.v_fp.shape[0]
+        diverged |= layer.pools["k"].fp.shape[0] != layer.pools["v"].fp.shape[0]
         for phys, truth, tier in ((k_phys, keys, layer.k_tier), (v_phys, values, layer.v_tier)):
             fp16 = (tier[0] == FP16).repeat_interleave(32)
             at = positions[0, : fp16.numel()][fp16]

@@ -8,7 +8,7 @@ import torch
 import hqekv
 from hqekv import FP16_RATIOS, HqeKVConfig, TierRatios
 from hqekv.artifacts import ArtifactError, load_artifact, save_artifact
-from hqekv.cache import EVICTED, FP16
+from hqekv.tiers import EVICTED, FP16
 from hqekv.calibration import calibrate, layer_budgets, layer_sensitivity, mean_kl, ratios_at, split_budget
 
 from .conftest import tiny_llama

@@ -1,0 +1,128 @@
+"""The cache layer's parts on their own: tier pools (hqekv.pools), re-ranking's pure steps
+(hqekv.rerank), attention over a view (hqekv.attention) and byte accounting (hqekv.memory)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hqekv import attention, rerank
+from hqekv.config import HqeKVConfig, TierRatios
+from hqekv.pools import KEY, VALUE, ComponentPools, decode_chunks, encode_chunks
+from hqekv.tiers import EVICTED, FP16, INT1, INT2, INT4, QUANTIZED_TIERS
+
+H, G, D, GROUP = 2, 8, 16, 16
+
+
+def prefill_chunks(n: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """(n, H, G, D) keys and values of one row, as an FP16 prefill leaves them."""
+    gen = torch.Generator().manual_seed(seed)
+    return {c: torch.randn(n, H, G, D, generator=gen) * (1 + torch.arange(D) % 3) for c in (KEY, VALUE)}
+
+
+def every_tier(chunks: dict[str, torch.Tensor]) -> dict[str, dict]:
+    """Each chunk encoded at every tier, as calibration prepares them."""
+    return {
+        c: {FP16: x, **{t: encode_chunks(x, t, c, GROUP, torch.float16) for t in QUANTIZED_TIERS}}
+        for c, x in chunks.items()
+    }
+
+
+def dense_view(pools, table, n_chunks):
+    """The placed chunks dequantized, in table order, without a tail."""
+    empty = torch.zeros(1, H, G, D)
+    return attention.dequantized(pools, table, empty, empty, torch.zeros(1, dtype=torch.long), n_chunks, G, GROUP,
+                                 torch.float32)  # fmt: skip
+
+
+def test_empty_pools_list_in_op_order_and_count_their_bytes():
+    pools = ComponentPools.empty(torch.zeros(1, H, 3, D), VALUE, G, GROUP, torch.float16, torch.float16)
+    tensors = pools.op_order()
+    assert len(tensors) == 1 + 3 * len(QUANTIZED_TIERS) and all(t.shape[0] == 0 for t in tensors)
+    assert tensors[0].shape == (0, H, G, D) and tensors[0].dtype == torch.float16
+    assert pools.nbytes() == {"fp16": 0, "int4": 0, "int2": 0, "int1": 0}
+    pools.fp = torch.zeros(2, H, G, D, dtype=torch.float16)
+    assert pools.nbytes()["fp16"] == 2 * H * G * D * 2 and pools.tensors()[0] is pools.fp
+
+
+def test_place_puts_each_chunk_at_its_tier_and_drops_evicted_ones():
+    chunks = prefill_chunks(6)
+    encoded = every_tier(chunks)
+    chunk_pos = torch.arange(6)[None]
+    k_tier = torch.tensor([[FP16, INT4, EVICTED, INT2, INT1, INT4]])
+    v_tier = torch.tensor([[FP16, INT2, EVICTED, INT2, INT4, INT1]])
+    table, pools, dropped = rerank.place(chunk_pos, k_tier, v_tier, encoded, torch.float16)
+    assert dropped == 1
+    assert table.chunk_pos.tolist() == [[0, 1, 3, 4, 5]]
+    assert table.k_tier.tolist() == [[FP16, INT4, INT2, INT1, INT4]]
+    assert table.k_slot.tolist() == [[0, 0, 0, 0, 1]]  # each tier's pool takes its chunks in table order
+    keys, values, positions, valid = dense_view(pools, table, torch.tensor([6]))
+    assert valid[0, : 5 * G].all() and not valid[0, 5 * G :].any()
+    assert positions[0, : 5 * G].tolist() == [c * G + i for c in (0, 1, 3, 4, 5) for i in range(G)]
+    for j, c in enumerate((0, 1, 3, 4, 5)):
+        for comp, tier, got in ((KEY, k_tier, keys), (VALUE, v_tier, values)):
+            t = int(tier[0, c])
+            expected = chunks[comp][c] if t == FP16 else decode_chunks(encoded[comp][t].select(torch.tensor([c])), t,
+                                                                      comp, G, D, GROUP, torch.float32)[0]  # fmt: skip
+            if t == FP16:  # FP16 slots hold the chunk in the cache's fp dtype
+                expected = expected.to(torch.float16).float()
+            torch.testing.assert_close(got[0, :, j * G : (j + 1) * G], expected, atol=0, rtol=0)
+
+
+def test_rebuild_copies_kept_tiers_requantizes_moved_chunks_and_compacts():
+    chunks = prefill_chunks(5, seed=1)
+    encoded = every_tier(chunks)
+    fp16 = torch.zeros(1, 5, dtype=torch.long)
+    table, pools, _ = rerank.place(torch.arange(5)[None], fp16, fp16, encoded, torch.float16)
+    keys, values, _, _ = dense_view(pools, table, torch.tensor([5]))
+    dense = {c: x[:, :, : 5 * G].reshape(1, H, 5, G, D).transpose(1, 2) for c, x in ((KEY, keys), (VALUE, values))}
+    new_k = torch.tensor([[FP16, INT4, EVICTED, INT1, FP16]])
+    new_v = torch.tensor([[FP16, INT2, EVICTED, INT1, INT4]])
+    table2, pools2 = rerank.rebuild(table, pools, new_k, new_v, dense, GROUP, torch.float16)
+    assert table2.chunk_pos.tolist() == [[0, 1, 3, 4]]
+    assert table2.k_tier.tolist() == [[FP16, INT4, INT1, FP16]] and table2.v_tier.tolist() == [[FP16, INT2, INT1, INT4]]
+    assert pools2[KEY].fp.shape[0] == 2 and pools2[VALUE].fp.shape[0] == 1
+    assert torch.equal(pools2[KEY].fp[table2.k_slot[0, 3]], pools[KEY].fp[4])  # kept in FP16: copied, bit for bit
+    # a chunk moved down is encoded from its dequantized values, as placing it there directly would
+    placed, placed_pools, _ = rerank.place(torch.arange(5)[None], new_k, new_v, every_tier(
+        {c: d[0].float() for c, d in dense.items()}), torch.float16)  # fmt: skip
+    for comp in (KEY, VALUE):
+        for t in QUANTIZED_TIERS:
+            for a, b in zip(pools2[comp].quantized[t].tensors(), placed_pools[comp].quantized[t].tensors()):
+                assert torch.equal(a, b), (comp, t)
+    with pytest.raises(AssertionError, match="moved up"):
+        rerank.rebuild(table2, pools2, torch.zeros_like(table2.k_tier), table2.v_tier,
+                       {KEY: dense[KEY][:, :4], VALUE: dense[VALUE][:, :4]}, GROUP, torch.float16)  # fmt: skip
+
+
+def test_propose_protects_the_top_chunks_and_gives_more_bits_to_higher_scores():
+    n = 40
+    table = rerank.ChunkTable(torch.arange(n)[None], *(torch.zeros(1, n, dtype=torch.long) for _ in range(4)))
+    scores = torch.rand(1, n, generator=torch.Generator().manual_seed(2))
+    ratios = TierRatios(int4=0.5, int2=0.25, evict=0.25)
+    config = HqeKVConfig(ratios=ratios, bavg=ratios.bavg, protected_chunks=2)
+    k, v = rerank.propose(config, scores, scores, table, torch.tensor([n]), torch.zeros(1, dtype=torch.long), ratios)
+    order = scores[0].argsort(descending=True)
+    assert k[0, order[:2]].tolist() == [FP16, FP16]  # the protected chunks
+    assert torch.equal(k, v)  # one score for both components: one assignment
+    assert k[0, order].diff().ge(0).all()  # down the ranking, tiers only get coarser
+    assert abs(int((k == EVICTED).sum()) - 0.25 * (n - 2)) <= 1
+
+
+def test_attention_over_a_placed_view_equals_attention_over_its_dequantized_tokens():
+    chunks = prefill_chunks(4, seed=3)
+    k_tier = torch.tensor([[FP16, INT4, INT2, INT1]])
+    table, pools, _ = rerank.place(torch.arange(4)[None], k_tier, k_tier.flip(1), every_tier(chunks), torch.float32)
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, H, 1, D, generator=gen) for _ in range(3))
+    tail_k, tail_v = torch.randn(1, H, G, D, generator=gen), torch.randn(1, H, G, D, generator=gen)
+    tail_len = torch.tensor([3])
+    out = attention.attend(q, k, v, torch.ones(1, 1, dtype=torch.bool), pools, table, tail_k, tail_v, tail_len, D**-0.5,
+                           GROUP)  # fmt: skip
+    keys, values, _, valid = attention.dequantized(pools, table, tail_k, tail_v, tail_len, torch.tensor([4]), G, GROUP,
+                                                   torch.float32)  # fmt: skip
+    keys, values = keys[:, :, valid[0]], values[:, :, valid[0]]
+    assert keys.shape[2] == 4 * G + 3
+    keys, values = torch.cat([keys, k], 2), torch.cat([values, v], 2)
+    expected = torch.softmax(q @ keys.transpose(-1, -2) * D**-0.5, -1) @ values
+    torch.testing.assert_close(out, expected.transpose(1, 2), atol=1e-5, rtol=1e-5)
