@@ -7,14 +7,17 @@ modules or globals):
 - the chunk table (B, C) (:class:`hqekv.rerank.ChunkTable`): logical chunk index, K tier
   and slot, V tier and slot of each kept chunk of each sequence, compacted to the left;
   -1 marks an empty entry. Evicted chunks are physically gone;
-- the FP16 tail (B, Hkv, G, D) of the newest ``len % G`` tokens of each sequence;
-- the window of the last m queries (after RoPE) that re-ranking scores importance with;
+- the FP16 tail (B, Hkv, G, D) of the newest ``len % G`` tokens of each sequence
+  (:mod:`hqekv.tail`);
+- the window of the last m queries (after RoPE) that re-ranking scores importance with
+  (:mod:`hqekv.window`);
 - per-row counters, and the logical length (:class:`hqekv.layer_base.RowStateLayer`).
 
 The work is done by the parts' modules: attention over the view in :mod:`hqekv.attention`,
 importance in :mod:`hqekv.importance`, re-ranking's policy and re-quantization in
 :mod:`hqekv.rerank`, byte accounting in :mod:`hqekv.memory`. This module keeps the
-CacheLayerMixin contract, stores tokens (tail, window, flush) and decides when to re-rank.
+CacheLayerMixin contract and the parts' state, moves full tails into FP16 chunks and
+decides when to re-rank.
 
 With ``config.rotation`` set, everything above is stored in a rotated basis: keys, values
 and window queries are multiplied by one orthogonal (D, D) matrix R before they are cached
@@ -37,7 +40,7 @@ from collections.abc import Sequence
 import torch
 from transformers.cache_utils import Cache
 
-from . import attention, importance, rerank
+from . import attention, importance, rerank, tail, window
 from .config import HqeKVConfig
 from .layer_base import RowStateLayer, check_storable, fits_float16
 from .memory import cache_report
@@ -46,21 +49,6 @@ from .rerank import ChunkTable
 from .rotation import rotate, rotation_matrix, unrotate
 from .sliding import SlidingWindowLayer
 from .tiers import EVICTED, FP16, QUANTIZED_TIERS, TIER_NAMES
-
-
-def _stable_order(valid: torch.Tensor, valid_first: bool) -> torch.Tensor:
-    """Permutation of each row putting valid entries first (or last), order preserved.
-
-    valid (B, L) bool -> (B, L) int64.
-    """
-    key = (~valid if valid_first else valid).to(torch.int8)
-    return key.argsort(dim=1, stable=True)
-
-
-def _gather_seq(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """x (B, H, L, D), index (B, L') -> (B, H, L', D)."""
-    b, h, _, d = x.shape
-    return x.gather(2, index[:, None, :, None].expand(b, h, index.shape[1], d))
 
 
 _ROW_PARTS = {
@@ -256,24 +244,11 @@ class HqeKVLayer(RowStateLayer):
         :meth:`maintain`).
         """
         with torch.no_grad():
-            b, h, _, d = key.shape
-            room = self.tail_len < self.config.chunk_size
-            self.overrun |= new_valid[:, 0] & ~room
-            ok = new_valid[:, 0] & room
-            at = self.tail_len.clamp(max=self.config.chunk_size - 1)[:, None, None, None].expand(b, h, 1, d)
-            for tail, new in ((self.tail_k, key), (self.tail_v, value)):
-                tail.scatter_(2, at, torch.where(ok[:, None, None, None], new.to(tail.dtype), tail.gather(2, at)))
-            self.tail_len += ok
-
-            def roll(window, new, dim, cond):
-                rolled = torch.cat([window.narrow(dim, 1, window.shape[dim] - 1), new.to(window.dtype)], dim)
-                return torch.where(cond, rolled, window)
-
-            self.win_q.copy_(roll(self.win_q, query, 2, ok[:, None, None, None]))
-            self.win_pos.copy_(roll(self.win_pos, self.real_len[:, None], 1, ok[:, None]))
-            self.win_valid.copy_(roll(self.win_valid, ok[:, None], 1, ok[:, None]))
-            self.real_len += ok
-            self.since_rerank += ok
+            written, overrun = tail.write_one(self.tail_k, self.tail_v, self.tail_len, key, value, new_valid[:, 0])
+            self.overrun |= overrun
+            window.push_one(self.win_q, self.win_pos, self.win_valid, query, self.real_len, written)
+            self.real_len += written
+            self.since_rerank += written
         self.decoded = True
 
     def maintain(self) -> None:
@@ -301,8 +276,7 @@ class HqeKVLayer(RowStateLayer):
             return
         full = self.tail_len >= g
         with torch.no_grad():
-            chunk = lambda t: t[:, None].transpose(1, 2).reshape(t.shape[0], 1, *t.shape[1:])  # noqa: E731
-            self._add_fp16_chunks(chunk(self.tail_k), chunk(self.tail_v), full[:, None])
+            self._add_fp16_chunks(tail.as_chunk(self.tail_k), tail.as_chunk(self.tail_v), full[:, None])
             self.tail_len = torch.where(full, 0, self.tail_len)
             due = full & (self.since_rerank >= self.config.rerank_interval)
             if bool(due.any()):
@@ -349,44 +323,19 @@ class HqeKVLayer(RowStateLayer):
 
     def _append(self, query, key, value, new_valid) -> None:
         """Window, tail, flush of full chunks into FP16 slots, and re-ranking when due."""
-        cfg = self.config
-        g = cfg.chunk_size
-        b, h, s, d = key.shape
         n_new = new_valid.sum(1)
-
-        # Rolling window of the last m real queries.
-        q_pos = self.real_len[:, None] + new_valid.long().cumsum(1) - 1
-        wq = torch.cat([self.win_q, query.to(self.win_q.dtype)], dim=2)
-        wpos = torch.cat([self.win_pos, q_pos], dim=1)
-        wvalid = torch.cat([self.win_valid, new_valid], dim=1)
-        order = _stable_order(wvalid, valid_first=False)[:, -cfg.window :]
-        self.win_q = _gather_seq(wq, order)
-        self.win_pos = wpos.gather(1, order)
-        self.win_valid = wvalid.gather(1, order)
-
-        # Tail plus new real tokens, compacted; full chunks leave as FP16 chunks.
-        ar = torch.arange(g, device=self.device)
-        pvalid = torch.cat([ar[None, :] < self.tail_len[:, None], new_valid], dim=1)
-        order = _stable_order(pvalid, valid_first=True)
-        pk = _gather_seq(torch.cat([self.tail_k, key.to(self.fp_dtype)], dim=2), order)
-        pv = _gather_seq(torch.cat([self.tail_v, value.to(self.fp_dtype)], dim=2), order)
-        n_pending = self.tail_len + n_new
-        n_full = n_pending // g
-        flushed = int(n_full.max())
-        if flushed:
-            fk = pk[:, :, : flushed * g].reshape(b, h, flushed, g, d).transpose(1, 2)
-            fv = pv[:, :, : flushed * g].reshape(b, h, flushed, g, d).transpose(1, 2)
-            self._add_fp16_chunks(fk, fv, torch.arange(flushed, device=self.device)[None, :] < n_full[:, None])
-        pk = torch.nn.functional.pad(pk, (0, 0, 0, g))
-        pv = torch.nn.functional.pad(pv, (0, 0, 0, g))
-        index = n_full[:, None] * g + ar
-        self.tail_k = _gather_seq(pk, index)
-        self.tail_v = _gather_seq(pv, index)
-        self.tail_len = n_pending - n_full * g
-
+        positions = self.real_len[:, None] + new_valid.long().cumsum(1) - 1
+        self.win_q, self.win_pos, self.win_valid = window.append(
+            self.win_q, self.win_pos, self.win_valid, query, positions, new_valid
+        )
+        chunks_k, chunks_v, chunk_ok, self.tail_k, self.tail_v, self.tail_len = tail.append(
+            self.tail_k, self.tail_v, self.tail_len, key, value, new_valid
+        )
+        if chunk_ok.shape[1]:
+            self._add_fp16_chunks(chunks_k, chunks_v, chunk_ok)
         self.real_len = self.real_len + n_new
         self.since_rerank = self.since_rerank + n_new
-        due = (n_full > 0) & (self.since_rerank >= cfg.rerank_interval)
+        due = chunk_ok.any(1) & (self.since_rerank >= self.config.rerank_interval)
         if bool(due.any()):
             self.rerank(due)
 
@@ -429,11 +378,11 @@ class HqeKVLayer(RowStateLayer):
             raise ValueError(
                 f"non-finite (NaN/inf) key or value states in layer {self.layer_idx}: they cannot be ranked or quantized"
             )
-        attention = importance.window_attention(
+        weights = importance.window_attention(
             self.win_q, self.win_pos, self.win_valid, keys, positions, valid, self.scaling
         )
         # range(V) in the model's basis: the rotation changes what the quantizers see, not the ranking
-        metric_k, metric_v = importance.token_metrics(attention, unrotate(values, self.rotation))
+        metric_k, metric_v = importance.token_metrics(weights, unrotate(values, self.rotation))
         c = self.chunk_pos.shape[1]
         score_k = importance.chunk_scores(metric_k[:, : c * g], g)
         score_v = importance.chunk_scores(metric_v[:, : c * g], g)

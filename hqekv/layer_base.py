@@ -1,5 +1,6 @@
 """What every hqekv cache layer shares: the logical length, the per-row state that beam
-search and batch selection reorder, and the check of what a layer may store."""
+search and batch selection reorder, the check of what a layer may store, and row-wise
+token gathers."""
 
 from __future__ import annotations
 
@@ -46,6 +47,21 @@ def check_storable(
             f"key/value states of magnitude {peak:.4g} in layer {layer_idx}{at} exceed float16's range (±{limit:g}), in "
             f"which this cache stores its full-precision parts or scale/zero; {fix}"
         )
+
+
+def stable_order(valid: torch.Tensor, valid_first: bool) -> torch.Tensor:
+    """Permutation of each row putting valid entries first (or last), order preserved.
+
+    valid (B, L) bool -> (B, L) int64.
+    """
+    key = (~valid if valid_first else valid).to(torch.int8)
+    return key.argsort(dim=1, stable=True)
+
+
+def gather_tokens(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Tokens of each row by index: x (B, H, L, D), index (B, L') -> (B, H, L', D)."""
+    b, h, _, d = x.shape
+    return x.gather(2, index[:, None, :, None].expand(b, h, index.shape[1], d))
 
 
 class RowStateLayer(CacheLayerMixin):

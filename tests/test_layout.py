@@ -20,6 +20,8 @@ FORBIDDEN = {
               "kernels.*"},
     "rerank": {"cache", "attention", "kernels", "patches", "patching", "calibration", "eval"},
     "attention": {"cache", "policy", "memory", "patches", "patching", "calibration", "eval", "kernels.*"},
+    "tail": {"cache", "rerank", "attention", "pools", "kernels", "patches", "patching", "calibration", "eval"},
+    "window": {"cache", "rerank", "attention", "pools", "kernels", "patches", "patching", "calibration", "eval"},
     "memory": {"cache", "sliding", "kernels", "patches", "patching", "calibration", "eval"},
     "cache": {"patches", "patching", "calibration", "eval", "kernels"},
     "sliding": {"patches", "patching", "calibration", "eval"},

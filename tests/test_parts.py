@@ -1,12 +1,13 @@
 """The cache layer's parts on their own: tier pools (hqekv.pools), re-ranking's pure steps
-(hqekv.rerank), attention over a view (hqekv.attention) and byte accounting (hqekv.memory)."""
+(hqekv.rerank), attention over a view (hqekv.attention), the FP16 tail (hqekv.tail) and the
+query window (hqekv.window)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from hqekv import attention, rerank
+from hqekv import attention, rerank, tail, window
 from hqekv.config import HqeKVConfig, TierRatios
 from hqekv.pools import KEY, VALUE, ComponentPools, decode_chunks, encode_chunks
 from hqekv.tiers import EVICTED, FP16, INT1, INT2, INT4, QUANTIZED_TIERS
@@ -126,3 +127,44 @@ def test_attention_over_a_placed_view_equals_attention_over_its_dequantized_toke
     keys, values = torch.cat([keys, k], 2), torch.cat([values, v], 2)
     expected = torch.softmax(q @ keys.transpose(-1, -2) * D**-0.5, -1) @ values
     torch.testing.assert_close(out, expected.transpose(1, 2), atol=1e-5, rtol=1e-5)
+
+
+def test_tail_append_compacts_past_padding_and_hands_over_full_chunks():
+    gen = torch.Generator().manual_seed(5)
+    tail_k, tail_v = torch.randn(2, H, G, D, generator=gen), torch.randn(2, H, G, D, generator=gen)
+    tail_len = torch.tensor([5, 0])
+    key, value = torch.randn(2, H, 12, D, generator=gen), torch.randn(2, H, 12, D, generator=gen)
+    valid = torch.ones(2, 12, dtype=torch.bool)
+    valid[1, :9] = False  # row 1: 9 padding tokens, then 3 real ones
+    chunks_k, chunks_v, ok, tk, tv, tl = tail.append(tail_k, tail_v, tail_len, key, value, valid)
+    assert ok.tolist() == [[True, True], [False, False]] and tl.tolist() == [17 - 2 * G, 3]
+    row0 = torch.cat([tail_k[0, :, :5], key[0]], dim=1)  # the 5 held tokens, then the 12 new ones
+    assert torch.equal(chunks_k[0, 0], row0[:, :G]) and torch.equal(chunks_k[0, 1], row0[:, G : 2 * G])
+    assert torch.equal(tk[0, :, : 17 - 2 * G], row0[:, 2 * G :])
+    assert torch.equal(chunks_v[0, 1], torch.cat([tail_v[0, :, :5], value[0]], dim=1)[:, G : 2 * G])
+    assert torch.equal(tk[1, :, :3], key[1, :, 9:]) and torch.equal(tv[1, :, :3], value[1, :, 9:])
+
+
+def test_tail_write_one_fills_in_place_and_refuses_a_full_tail():
+    tail_k, tail_v = torch.zeros(3, H, G, D), torch.zeros(3, H, G, D)
+    tail_len = torch.tensor([2, G, 0])
+    key, value = torch.ones(3, H, 1, D), 2 * torch.ones(3, H, 1, D)
+    written, overrun = tail.write_one(tail_k, tail_v, tail_len, key, value, torch.tensor([True, True, False]))
+    assert written.tolist() == [True, False, False] and overrun.tolist() == [False, True, False]
+    assert tail_len.tolist() == [3, G, 0]
+    assert tail_k[0, :, 2].eq(1).all() and tail_v[0, :, 2].eq(2).all()
+    assert tail_k[1].eq(0).all() and tail_k[2].eq(0).all()  # a full tail and a padding token: unchanged
+
+
+def test_window_keeps_the_last_real_queries_with_their_positions():
+    m = 4
+    win_q, win_pos, win_valid = torch.zeros(1, 1, m, 2), torch.zeros(1, m, dtype=torch.long), torch.zeros(1, m, dtype=torch.bool)
+    query = torch.arange(6.0).reshape(1, 1, 6, 1).expand(1, 1, 6, 2)
+    valid = torch.tensor([[True, False, True, True, True, True]])
+    positions = valid.long().cumsum(1) - 1
+    win_q, win_pos, win_valid = window.append(win_q, win_pos, win_valid, query, positions, valid)
+    assert win_q[0, 0, :, 0].tolist() == [2, 3, 4, 5] and win_pos.tolist() == [[1, 2, 3, 4]] and win_valid.all()
+    window.push_one(win_q, win_pos, win_valid, torch.full((1, 1, 1, 2), 9.0), torch.tensor([5]), torch.tensor([True]))
+    assert win_q[0, 0, :, 0].tolist() == [3, 4, 5, 9] and win_pos.tolist() == [[2, 3, 4, 5]]
+    window.push_one(win_q, win_pos, win_valid, torch.full((1, 1, 1, 2), 7.0), torch.tensor([6]), torch.tensor([False]))
+    assert win_q[0, 0, :, 0].tolist() == [3, 4, 5, 9]  # a padding token leaves the window as it was
