@@ -100,7 +100,8 @@ class HqeKVLayer(RowStateLayer):
             raise ValueError(f"head dim {d} is not a multiple of the value channel group {self.value_group}")
         self.batch_size, self.num_kv_heads, self.head_dim = b, h, d
         self.pools = {
-            c: ComponentPools.empty(key_states, c, g, self.value_group, self.fp_dtype, self.meta_dtype) for c in (KEY, VALUE)
+            c: ComponentPools.empty(key_states, c, g, self.value_group, self.fp_dtype, self.meta_dtype)
+            for c in (KEY, VALUE)
         }
         long = dict(dtype=torch.long, device=self.device)
         self.chunk_pos = torch.full((b, 0), -1, **long)

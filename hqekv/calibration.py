@@ -254,7 +254,8 @@ class CompressionObjective:
                 cache.layers[i] = base.copy()  # the continuation's forward slides it in place
             else:
                 layer, (k_tier, v_tier), (k_encoded, v_encoded) = next(trial)
-                cache.layers[i] = trial_layer(layer, self._trial_config, k_tier, v_tier, {KEY: k_encoded, VALUE: v_encoded})
+                encoded = {KEY: k_encoded, VALUE: v_encoded}
+                cache.layers[i] = trial_layer(layer, self._trial_config, k_tier, v_tier, encoded)
         return cache
 
     def _log_probs(self, ratios: TierRatios, key_ratios: TierRatios | None = None, layer_ratios=None) -> torch.Tensor:

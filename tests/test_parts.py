@@ -158,7 +158,8 @@ def test_tail_write_one_fills_in_place_and_refuses_a_full_tail():
 
 def test_window_keeps_the_last_real_queries_with_their_positions():
     m = 4
-    win_q, win_pos, win_valid = torch.zeros(1, 1, m, 2), torch.zeros(1, m, dtype=torch.long), torch.zeros(1, m, dtype=torch.bool)
+    win_q, win_pos = torch.zeros(1, 1, m, 2), torch.zeros(1, m, dtype=torch.long)
+    win_valid = torch.zeros(1, m, dtype=torch.bool)
     query = torch.arange(6.0).reshape(1, 1, 6, 1).expand(1, 1, 6, 2)
     valid = torch.tensor([[True, False, True, True, True, True]])
     positions = valid.long().cumsum(1) - 1
