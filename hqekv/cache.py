@@ -34,7 +34,6 @@ graph; a tail that fills up becomes a chunk, and re-ranking happens, in
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Sequence
 
 import torch
@@ -397,10 +396,8 @@ class HqeKVLayer(RowStateLayer):
         With ``chunks=False`` the copy shares the pools, for a caller that replaces them
         (:meth:`set_chunks`) before any use.
         """
-        layer = copy.copy(self)
+        layer = super().copy()
         if self.is_initialized:
-            for name in (*_ROW_STATE, "length"):
-                setattr(layer, name, getattr(self, name).clone())
             layer.pools = {c: p.clone() if chunks else p for c, p in self.pools.items()}
         return layer
 

@@ -4,6 +4,7 @@ token gathers."""
 
 from __future__ import annotations
 
+import copy
 import math
 
 import torch
@@ -26,7 +27,8 @@ def check_storable(
     NaN/inf states (the model itself broke) and, when a part is stored in float16 (the
     FP16 tier, tail and window of an fp32 model, or float16 scale/zero), values beyond its
     ±65504 range, which would turn into inf and then NaN logits, silently. An eager check
-    (one host sync), run on every prefill and before every decode step.
+    (one host sync), run on every prefill and by each layer's ``maintain()`` over what the
+    decode steps since its last look stored.
     """
     peak = torch.stack([t.detach().abs().amax().float() if t.numel() else t.new_zeros((), dtype=torch.float32)
                         for t in states]).amax()  # fmt: skip
@@ -93,6 +95,15 @@ class RowStateLayer(CacheLayerMixin):
 
     def get_seq_length(self) -> int:
         return self.seen
+
+    def copy(self):
+        """An independent copy: the per-row tensors and the length cloned, the rest shared
+        (calibration scores trials from one prefill)."""
+        layer = copy.copy(self)
+        if self.is_initialized:
+            for name in (*self.ROW_STATE, "length"):
+                setattr(layer, name, getattr(self, name).clone())
+        return layer
 
     def get_max_length(self) -> int:
         return -1

@@ -118,15 +118,6 @@ class SlidingWindowLayer(RowStateLayer):
         self.unchecked_steps = 0
         check_storable(self.layer_idx, (self.keys, self.values), (self.fp_dtype,), self.seen)
 
-    def copy(self) -> "SlidingWindowLayer":
-        """An independent copy (calibration scores trials from one prefill)."""
-        layer = object.__new__(SlidingWindowLayer)
-        layer.__dict__.update(self.__dict__)
-        if self.is_initialized:
-            for name in (*_ROW_STATE, "length"):
-                setattr(layer, name, getattr(self, name).clone())
-        return layer
-
     # --- attention ---------------------------------------------------------------------------
 
     def attend(
