@@ -74,35 +74,39 @@ def unpack_codes(
     whole = n == words.shape[-1] * per_word and sys.byteorder == "little"  # words are little-endian bytes
     if out is not None and (tuple(out.shape) != (*words.shape[:-1], n) or out.dtype != dtype or out.stride(-1) != 1):
         raise ValueError(f"out must be a {dtype} tensor of shape {(*words.shape[:-1], n)} with a unit last stride")
-    if dtype.is_floating_point and bits == 4 and whole:
-        # Each byte's two nibbles, masked and shifted as uint8 and converted straight into the
-        # output (4x faster on CPU than a table lookup per byte, which writes 2 floats a byte).
-        # (..., 4·W), byte k holding codes 2k and 2k + 1 (a size-1 axis may have stride 0)
-        by = words.contiguous().reshape(-1).view(torch.uint8).reshape(*words.shape[:-1], 4 * words.shape[-1])
-        if out is None:
-            out = torch.empty(*words.shape[:-1], n, dtype=dtype, device=words.device)
-        pairs = out.unflatten(-1, (n // 2, 2))
-        pairs[..., 0].copy_(by & 15)
-        pairs[..., 1].copy_(by >> 4)
-        return out
-    codes = _unpack(words, bits, n, dtype, whole)
-    return codes if out is None else out.copy_(codes)
-
-
-def _unpack(words: torch.Tensor, bits: int, n: int, dtype: torch.dtype, whole: bool) -> torch.Tensor:
-    per_word = 32 // bits
-    if dtype.is_floating_point and bits == 1 and whole:
-        # One table lookup per byte gives its 8 codes as floats directly (measured faster than
-        # shift, mask and convert for 1 bit on CPU).
-        table = _byte_table(bits, words.device, dtype)
-        by = words.contiguous().reshape(-1).view(torch.uint8).int()  # (a size-1 axis may have stride 0)
-        return torch.nn.functional.embedding(by, table).reshape(*words.shape[:-1], n)
     if words.shape[-1] != packed_words(n, bits):
         raise ValueError(
             f"{words.shape[-1]} words cannot hold exactly {n} codes of {bits} bits "
             f"(expected {packed_words(n, bits)} words)"
         )
-    # Arithmetic shifts of int32 words sign-extend; the mask keeps the code bits only.
-    codes = (words.unsqueeze(-1) >> _shifts(bits, words.device)) & ((1 << bits) - 1)
-    codes = codes.reshape(*words.shape[:-1], words.shape[-1] * per_word)[..., :n]
-    return codes.to(dtype)
+    if out is None:
+        out = torch.empty(*words.shape[:-1], n, dtype=dtype, device=words.device)
+    if dtype.is_floating_point and bits == 4 and whole:
+        # Each byte's two nibbles, masked and shifted as uint8 and converted straight into the
+        # output (4x faster on CPU than a table lookup per byte, which writes 2 floats a byte).
+        by = _as_bytes(words)  # byte k holds codes 2k and 2k + 1
+        pairs = out.unflatten(-1, (n // 2, 2))
+        pairs[..., 0].copy_(by & 15)
+        pairs[..., 1].copy_(by >> 4)
+    elif dtype.is_floating_point and bits == 1 and whole:
+        # One table lookup per byte gives its 8 codes as floats directly (measured faster than
+        # shift, mask and convert for 1 bit on CPU).
+        table = _byte_table(bits, words.device, dtype)
+        out.unflatten(-1, (n // 8, 8)).copy_(torch.nn.functional.embedding(_as_bytes(words).int(), table))
+    else:
+        # Arithmetic shifts of int32 words sign-extend; the mask keeps the code bits only.
+        codes = (words.unsqueeze(-1) >> _shifts(bits, words.device)) & ((1 << bits) - 1)
+        if whole:
+            out.unflatten(-1, (words.shape[-1], per_word)).copy_(codes)
+        else:
+            out.copy_(codes.flatten(-2)[..., :n])
+    return out
+
+
+def _as_bytes(words: torch.Tensor) -> torch.Tensor:
+    """(..., W) int32 -> (..., 4·W) uint8: each word's bytes, least significant first on a
+    little-endian machine; a view of ``words`` when its last axis is contiguous (a size-1
+    last axis may have any stride)."""
+    if words.stride(-1) != 1:
+        words = words.contiguous() if words.shape[-1] != 1 else words.as_strided(words.shape, (*words.stride()[:-1], 1))
+    return words.view(torch.uint8)

@@ -109,16 +109,26 @@ def gather_chunks(
     return every.transpose(0, 1)[:, index].transpose(0, 1).reshape(b, h, index.shape[1] * g, d)
 
 
-def _affine(m0: torch.Tensor, m1: torch.Tensor, bits: int, normalized: bool, device) -> tuple[torch.Tensor, torch.Tensor]:
+@functools.lru_cache(maxsize=None)
+def _normal_line(bits: int) -> tuple[float, float]:
+    """(Δ, c₀) with centre[c] = c·Δ + c₀: the centres of normalized codes as a line (float32
+    values). Two centres always lie on one; the CPU mixed attention reads 1-bit codes only."""
+    if bits != 1:
+        raise NotImplementedError("the CPU mixed attention reads normalized codes of 1 bit only")
+    _, centres = normal_tables(bits)
+    return float(centres[1] - centres[0]), float(centres[0])
+
+
+def _affine(m0: torch.Tensor, m1: torch.Tensor, bits: int, normalized: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(a, b) with x = codes·a + b from a group's metadata pair (scale, zero or std, mean).
 
-    Normalized 1-bit is affine too: centre[c]·std + mean = c·(Δ·std) + (centre[0]·std + mean).
+    Normalized 1-bit is affine too: centre[c]·std + mean = c·(Δ·std) + (c₀·std + mean).
+    Plain metadata comes back as stored (the caller widens it once, with the other tiers').
     """
     if normalized:
-        _, centres = normal_tables(bits, device)
-        if bits != 1:
-            raise NotImplementedError("the CPU mixed attention reads normalized codes of 1 bit only")
-        return (centres[1] - centres[0]) * m0, centres[0] * m0 + m1
+        delta, c0 = _normal_line(bits)
+        m0 = m0.float()
+        return m0 * delta, m0 * c0 + m1.float()
     return m0, m1
 
 
@@ -187,14 +197,14 @@ def _pool_attention(
     """Attention that reads the pools where they lie, never building a dequantized cache.
 
     1. logits of every key pool slot: all tiers at once as float codes under an affine map
-       (q·k = (q⊙a)·codes + q·b; FP16 slots are codes with a = 1, b = 0), then of the tail
-       and the new tokens, in float32;
+       (q·k = (q⊙a)·codes + q·b; FP16 slots are codes with a = 1, b = 0), then of the recent
+       tokens (the tail and the new tokens, one block), in float32;
     2. one softmax over all of them, masked to the slots in each row's table;
     3. the probabilities moved from key-slot order to value-slot order (a chunk's K and V may
        sit in different tiers), and all value pools weighted by them, again as codes.
     Pools are shared by the rows, so each KV head scores them for all its query rows at once:
     R' = B·(Hq / Hkv)·S rows (row, query head in group, new token). One matmul per component
-    whatever the tiers, so that decoding costs few ops on CPU.
+    whatever the tiers, and few small ops, so that decoding costs little on CPU.
     """
     b, hq, s, d = query.shape
     hkv, g = key.shape[1], tail_k.shape[2]
@@ -205,7 +215,7 @@ def _pool_attention(
     q = query.float().reshape(b, hkv, r, d) * scaling
     qh = q.transpose(0, 1).reshape(hkv, rows, d)  # (H, R', D)
 
-    # 1. logits of every key pool slot (Nk, H, R', G), in pool order fp16, 4, 2, 1 bit
+    # 1. logits (B, H, R, Nk·G + G + S): key pool slots in pool order (fp16, 4, 2, 1 bit), then the recent tokens
     k_sizes = _pool_sizes(k_pools)
     nk = sum(k_sizes)
     codes, a, c = _key_slots(k_pools, k_sizes, g, d)  # (Nk, H, D, G), (Nk, H, D) twice
@@ -213,34 +223,33 @@ def _pool_attention(
     qc = torch.bmm(qh, c.permute(1, 2, 0)).permute(2, 0, 1).reshape(nk * hkv, rows, 1)  # q·b per slot
     slot_logits = torch.baddbmm(qc, qa, codes.reshape(nk * hkv, d, g))
     slot_logits = slot_logits.reshape(nk, hkv, b, r, g).permute(2, 1, 3, 0, 4).reshape(b, hkv, r, nk * g)
-    tail_logits = q @ tail_k.float().transpose(-1, -2)  # (B, H, R, G)
-    new_logits = q @ key.float().transpose(-1, -2)  # (B, H, R, S)
+    recent_k = torch.cat([tail_k.float(), key.float()], dim=2)  # (B, H, G + S, D)
+    flat = torch.cat([slot_logits, q @ recent_k.transpose(-1, -2)], dim=-1)
 
-    # 2. masks: the slots of each row's table, its tail, and causal + padding over the new tokens
+    # 2. masks: the slots of each row's table, then its tail and, causal and without padding, the new tokens
     kg = _global_slots(k_tier, k_slot, k_sizes)  # (B, C)
-    own = torch.zeros(b, nk + 1, dtype=torch.bool, device=dev).scatter_(1, kg, True)[:, :nk]
-    ar = torch.arange(g, device=dev)
-    new_ok = torch.ones(s, s, dtype=torch.bool, device=dev).tril()[None] & new_valid[:, None, :]  # (B, S, S)
-    mask = torch.cat(
-        [own[:, :, None].expand(b, nk, g).reshape(b, 1, nk * g).expand(b, r, nk * g),
-         (ar[None, :] < tail_len[:, None])[:, None].expand(b, r, g),
-         new_ok.repeat(1, gq, 1)], dim=-1,
-    )  # (B, R, Nk·G + G + S)  # fmt: skip
-    flat = torch.cat([slot_logits, tail_logits, new_logits], dim=-1)
-    probs = torch.softmax(flat.masked_fill_(~mask[:, None], -torch.inf), dim=-1)
+    own = torch.zeros(b, nk + 1, dtype=torch.bool, device=dev).scatter_(1, kg, True)[:, :nk]  # (B, Nk)
+    recent_ok = torch.cat(
+        [(torch.arange(g, device=dev) < tail_len[:, None])[:, None].expand(b, s, g),
+         torch.ones(s, s, dtype=torch.bool, device=dev).tril() & new_valid[:, None, :]], dim=-1,
+    )  # (B, S, G + S)  # fmt: skip
+    flat[..., : nk * g].view(b, hkv, r, nk, g).masked_fill_(~own[:, None, None, :, None], -torch.inf)
+    flat[..., nk * g :].view(b, hkv, gq, s, g + s).masked_fill_(~recent_ok[:, None, None], -torch.inf)
+    probs = torch.softmax(flat, dim=-1)
     # a query that sees nothing gets 0; a NaN from a NaN key propagates, as in the unpatched model
-    probs = torch.where(mask.any(-1)[:, None, :, None], probs, 0.0)
+    sees = own.any(1)[:, None] | recent_ok.any(-1)  # (B, S)
+    probs = torch.where(sees[:, None, None, :, None], probs.view(b, hkv, gq, s, -1), 0.0).view(b, hkv, r, -1)
 
     # 3. probabilities in value-slot order (H, R', Nv·G), then the weighted values of all pools
     v_sizes = _pool_sizes(v_pools)
     nv = sum(v_sizes)
     vg = _global_slots(v_tier, v_slot, v_sizes)
     to_key = torch.full((b, nv + 1), nk, dtype=torch.long, device=dev).scatter_(1, vg, kg)[:, :nv]  # nk: zeros
-    p_slots = torch.cat([probs[..., : nk * g].reshape(b, hkv, r, nk, g), probs.new_zeros(b, hkv, r, 1, g)], dim=3)
+    p_slots = torch.nn.functional.pad(probs[..., : nk * g].reshape(b, hkv, r, nk, g), (0, 0, 0, 1))  # + a zero slot
     p_v = p_slots.transpose(0, 1).gather(3, to_key[None, :, None, :, None].expand(hkv, b, r, nv, g))
-    out = (probs[..., nk * g : nk * g + g] @ tail_v.float()) + (probs[..., nk * g + g :] @ value.float())
+    recent_v = torch.cat([tail_v.float(), value.float()], dim=2)
     pooled = _weighted_value_slots(p_v.reshape(hkv, rows, nv * g), v_pools, v_sizes, g, d, value_group)
-    out = out + pooled.reshape(hkv, b, r, d).transpose(0, 1)
+    out = probs[..., nk * g :] @ recent_v + pooled.reshape(hkv, b, r, d).transpose(0, 1)
     return out.reshape(b, hkv, gq, s, d).permute(0, 3, 1, 2, 4).reshape(b, s, hq, d).to(query.dtype)
 
 
@@ -256,6 +265,20 @@ def _global_slots(tier: torch.Tensor, slot: torch.Tensor, sizes: list[int], empt
     return torch.where(tier >= 0, offsets[tier.clamp(min=0)] + slot, sum(sizes) if empty is None else empty)
 
 
+def _slot_affines(pools: list[torch.Tensor], sizes: list[int], shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(a, b) float32 of every slot of a component, pools end to end: x = codes·a + b, with
+    a = 1, b = 0 for the FP16 slots. ``shape``: one slot's metadata shape."""
+    fp = pools[0]
+    a, b = [fp.new_ones(sizes[0], *shape, dtype=torch.float32)], [fp.new_zeros(sizes[0], *shape, dtype=torch.float32)]
+    for t, n in zip(QUANTIZED_TIERS, sizes[1:]):
+        if n:
+            _, m0, m1 = quantized_pool(pools, t)
+            a_t, b_t = _affine(m0, m1, *TIER_FORMATS[t])
+            a.append(a_t)
+            b.append(b_t)
+    return torch.cat(a), torch.cat(b)  # the float32 FP16 parts widen the 16-bit metadata
+
+
 def _key_slots(pools: list[torch.Tensor], sizes: list[int], g: int, d: int):
     """Every key pool slot as float codes with the affine map x = codes·a + b that dequantizes them.
 
@@ -263,20 +286,14 @@ def _key_slots(pools: list[torch.Tensor], sizes: list[int], g: int, d: int):
     FP16 slots are their values with a = 1, b = 0. Each tier unpacks straight into its rows.
     """
     h = pools[0].shape[1]
-    n0, n_all = sizes[0], sum(sizes)
-    codes = pools[0].new_empty(n_all, h, d, g, dtype=torch.float32)
-    a, b = codes.new_empty(n_all, h, d), codes.new_empty(n_all, h, d)
-    codes[:n0] = pools[0].transpose(-1, -2)
-    a[:n0], b[:n0] = 1.0, 0.0
-    start = n0
+    codes = pools[0].new_empty(sum(sizes), h, d, g, dtype=torch.float32)
+    codes[: sizes[0]] = pools[0].transpose(-1, -2)
+    start = sizes[0]
     for t, n in zip(QUANTIZED_TIERS, sizes[1:]):
         if n:
-            bits, normalized = TIER_FORMATS[t]
-            words, m0, m1 = quantized_pool(pools, t)
-            unpack_codes(words, bits, g, torch.float32, out=codes[start : start + n])
-            a[start : start + n], b[start : start + n] = _affine(m0.float(), m1.float(), bits, normalized, words.device)
+            unpack_codes(quantized_pool(pools, t)[0], TIER_FORMATS[t][0], g, torch.float32, out=codes[start : start + n])
             start += n
-    return codes, a, b
+    return codes, *_slot_affines(pools, sizes, (h, d))
 
 
 def _weighted_value_slots(
@@ -286,30 +303,27 @@ def _weighted_value_slots(
 
     p (H, R', N·G) float32 in pool order -> (H, R', D). With v = codes·a + b per group of
     ``group`` channels (FP16 slots: a = 1, b = 0): Σ p·v = Σ (p·a)·codes + Σ p·b, one matmul
-    per (head, group) that contracts all N·G tokens at once. Packed words are put head-major
-    before unpacking, so each tier's codes land in matmul order in their own columns.
+    per (head, group) that contracts all N·G tokens at once. Each tier's codes unpack
+    head-major, straight into their columns of the matmul operand.
     """
     h, rows = p.shape[:2]
     ng = -(-d // group)
     n0, n_all = sizes[0], sum(sizes)
     codes = p.new_empty(h, ng, n_all, g, group)
-    a = p.new_empty(h, ng, n_all, g)
-    b = p.new_empty(h, n_all, g, ng)
-    fp = torch.nn.functional.pad(pools[0], (0, ng * group - d)).reshape(n0, h, g, ng, group)
-    codes[:, :, :n0] = fp.permute(1, 3, 0, 2, 4)
-    a[:, :, :n0], b[:, :n0] = 1.0, 0.0
+    fp = pools[0] if ng * group == d else torch.nn.functional.pad(pools[0], (0, ng * group - d))
+    codes[:, :, :n0] = fp.reshape(n0, h, g, ng, group).permute(1, 3, 0, 2, 4)
     start = n0
     for t, n in zip(QUANTIZED_TIERS, sizes[1:]):
         if n:
-            bits, normalized = TIER_FORMATS[t]
-            words, m0, m1 = quantized_pool(pools, t)  # (N, H, G, ng, W), (N, H, G, ng)
-            unpack_codes(words.permute(1, 3, 0, 2, 4), bits, group, torch.float32, out=codes[:, :, start : start + n])
-            a_t, b_t = _affine(m0.float(), m1.float(), bits, normalized, words.device)
-            a[:, :, start : start + n], b[:, start : start + n] = a_t.permute(1, 3, 0, 2), b_t.transpose(0, 1)
+            words = quantized_pool(pools, t)[0]  # (N, H, G, ng, W)
+            unpack_codes(words.permute(1, 3, 0, 2, 4), TIER_FORMATS[t][0], group, torch.float32,
+                         out=codes[:, :, start : start + n])  # fmt: skip
             start += n
-    pa = (p[:, None] * a.reshape(h, ng, 1, n_all * g)).reshape(h * ng, rows, n_all * g)
-    out = torch.bmm(pa, codes.reshape(h * ng, n_all * g, group)).reshape(h, ng, rows, group).transpose(1, 2)
-    out = out + (p[..., None] * b.reshape(h, 1, n_all * g, ng)).sum(2)[..., None]  # a bmm of width ng is slower
+    a, b = _slot_affines(pools, sizes, (h, g, ng))  # (N, H, G, ng) each
+    pa = p[:, None] * a.permute(1, 3, 0, 2).reshape(h, ng, 1, n_all * g)
+    out = torch.bmm(pa.reshape(h * ng, rows, n_all * g), codes.reshape(h * ng, n_all * g, group))
+    out = out.reshape(h, ng, rows, group).transpose(1, 2)
+    out = out + (p[..., None] * b.transpose(0, 1).reshape(h, 1, n_all * g, ng)).sum(2)[..., None]  # (a bmm is slower)
     return out.reshape(h, rows, ng * group)[..., :d]
 
 
