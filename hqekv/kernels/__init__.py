@@ -9,7 +9,8 @@ and two helpers of the dense view of a cache (eager PyTorch): :func:`gather_chun
 
 ``call(op, *args)`` runs an op as a graph node under ``torch.compile`` and straight to its
 implementation in eager mode. Each ``kernels/<name>.py`` holds ``<name>_reference`` (pure PyTorch: the CPU implementation
-and the test reference) beside the Triton kernel ``<name>_triton`` that CUDA tensors use.
+and the test reference) beside the Triton kernel ``<name>_triton`` that CUDA tensors use;
+a CPU decode step of ``mixed_attention`` runs the fused C kernel of :mod:`.cpu` instead.
 """
 
 from .mixed_attention import cached_tokens, gather_chunks

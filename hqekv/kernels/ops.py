@@ -1,18 +1,21 @@
 """The ``hqekv::`` custom ops: schemas, fake (meta) implementations and device dispatch.
 
-Each op runs its pure-PyTorch reference on CPU (and any device without a kernel) and
-its Triton kernel on CUDA. ``HQEKV_TRITON=0`` in the environment (read at import) makes
-CUDA tensors use the references too. The ops are opaque to ``torch.compile``: the fakes
+Each op runs its Triton kernel on CUDA and its pure-PyTorch reference elsewhere, except a
+decode step of ``mixed_attention`` on CPU, which runs the fused C kernel of
+:mod:`~hqekv.kernels.cpu`. ``HQEKV_TRITON=0`` in the environment (read at import) makes
+CUDA tensors use the references too; ``HQEKV_CPU_KERNEL=0``, CPU decode steps. The ops are opaque to ``torch.compile``: the fakes
 give the output shapes, so a compiled graph holds them without a graph break on any device.
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 from torch import Tensor
 
+from . import cpu
 from ._triton import HAVE_TRITON
 from .dequantize import dequantize_reference, dequantize_triton
 from .mixed_attention import mixed_attention_reference, mixed_attention_triton
@@ -77,10 +80,37 @@ def mixed_attention(
     value_group: int,
 ) -> Tensor:
     """Attention of query (B, Hq, S, D) over the mixed cache and the new tokens -> (B, S, Hq, D)."""
-    return mixed_attention_reference(
+    return mixed_attention_cpu(
         query, key, value, new_valid, k_pools, v_pools, k_tier, k_slot, v_tier, v_slot, tail_k, tail_v, tail_len,
         scaling, value_group,
     ).contiguous()  # fmt: skip
+
+
+_warned_cpu = False
+
+
+def mixed_attention_cpu(
+    query, key, value, new_valid, k_pools, v_pools, k_tier, k_slot, v_tier, v_slot, tail_k, tail_v, tail_len,
+    scaling, value_group,
+) -> Tensor:  # fmt: skip
+    """``mixed_attention`` off CUDA: a decode step (one new token) on CPU runs the fused C kernel
+    (:mod:`hqekv.kernels.cpu`) when it is built; anything else, the PyTorch reference. A kernel
+    that cannot be built is said once, in a warning, not skipped in silence."""
+    global _warned_cpu
+    args = (query, key, value, new_valid, k_pools, v_pools, k_tier, k_slot, v_tier, v_slot, tail_k, tail_v, tail_len,
+            scaling, value_group)  # fmt: skip
+    if query.shape[2] == 1 and cpu.ENABLED and cpu.supports(query, k_pools, tail_k):
+        if cpu.library() is not None:
+            return cpu.mixed_attention_cpu(*args)
+        if not _warned_cpu:
+            _warned_cpu = True
+            warnings.warn(
+                f"hqekv: CPU decoding runs the PyTorch reference attention, several times slower than the fused "
+                f"kernel, because {cpu.available()[1]}. HQEKV_CPU_KERNEL=0 chooses the reference and silences this.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+    return mixed_attention_reference(*args)
 
 
 @mixed_attention.register_fake
@@ -115,7 +145,7 @@ if USE_TRITON:
 _IMPLEMENTATIONS = {
     quantize_pack: (quantize_pack_reference, quantize_pack_triton),
     dequantize: (dequantize_reference, dequantize_triton),
-    mixed_attention: (mixed_attention_reference, mixed_attention_triton),
+    mixed_attention: (mixed_attention_cpu, mixed_attention_triton),
 }
 
 
