@@ -101,10 +101,12 @@ def main(argv=None) -> dict:
     parser.add_argument("--lengths", type=int, nargs="+", default=[8192, 32768, 131072])
     parser.add_argument("--bavg", type=float, nargs="+", default=[2.0, 3.2])
     parser.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
-    parser.add_argument("--out", default="benchmarks/results/gpu_kernels.json")
+    parser.add_argument("--out", default=None, help="default: benchmarks/results/gpu_kernels.json (cpu_kernels.json)")
     parser.add_argument("--cpu-smoke", action="store_true",
-                        help="check the script on CPU (the PyTorch reference, fp32) at the given lengths; not a benchmark")  # fmt: skip
+                        help="run on CPU (the fused C decode kernel, fp32) at the given lengths")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.out is None:
+        args.out = f"benchmarks/results/{'cpu' if args.cpu_smoke else 'gpu'}_kernels.json"
     if args.cpu_smoke:
         device, dtype = torch.device("cpu"), torch.float32
     elif torch.cuda.is_available():
