@@ -7,9 +7,10 @@ dequantizes one tile at a time and keeps the whole step in one call. Same semant
 :func:`~hqekv.kernels.mixed_attention.mixed_attention_reference` (tested against it).
 
 The library is built once per source, compiler and CPU into ``$HQEKV_CACHE_DIR`` (default
-``~/.cache/hqekv``), with ``-march=native`` (hence the CPU in its name). Where no C compiler
-is found or the build fails, :func:`available` says why, and the op warns once and uses the
-reference. ``HQEKV_CPU_KERNEL=0`` (read at import) turns the kernel off.
+``~/.cache/hqekv``), with ``-march=native`` where the compiler takes it (hence the CPU in
+its name). Where no C compiler is found or the build fails, :func:`available` says why,
+and the op warns once and uses the reference. ``HQEKV_CPU_KERNEL=0`` (read at import)
+turns the kernel off.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import functools
 import hashlib
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import sys
@@ -79,8 +81,9 @@ def _build() -> ctypes.CDLL:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if compiler is None:
         raise RuntimeError("no C compiler found (set CC, or install gcc or clang)")
+    cc = shlex.split(compiler)  # CC may carry a launcher or options ("ccache gcc")
     source = _header() + SOURCE.read_text()
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
+    version = subprocess.run([*cc, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
     key = hashlib.sha256("\0".join([source, *FLAGS, *version, _cpu_name(), sys.platform]).encode()).hexdigest()[:16]
     cache = Path(os.environ.get("HQEKV_CACHE_DIR") or Path.home() / ".cache" / "hqekv")
     target = cache / f"mixed_attention_cpu-{key}.so"
@@ -89,7 +92,10 @@ def _build() -> ctypes.CDLL:
         with tempfile.TemporaryDirectory(dir=cache) as tmp:
             c_file, so_file = Path(tmp) / "kernel.c", Path(tmp) / "kernel.so"
             c_file.write_text(source)
-            done = subprocess.run([compiler, *FLAGS, str(c_file), "-o", str(so_file), "-lm"], capture_output=True, text=True)
+            for flags in (FLAGS, tuple(f for f in FLAGS if f != "-march=native")):  # some compilers lack it (arm64 clang)
+                done = subprocess.run([*cc, *flags, str(c_file), "-o", str(so_file), "-lm"], capture_output=True, text=True)
+                if not done.returncode:
+                    break
             if done.returncode:
                 raise RuntimeError(f"{compiler} failed:\n{done.stderr.strip()[-2000:]}")
             os.replace(so_file, target)  # atomic: a concurrent build leaves one whole file

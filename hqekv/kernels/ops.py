@@ -80,7 +80,7 @@ def mixed_attention(
     value_group: int,
 ) -> Tensor:
     """Attention of query (B, Hq, S, D) over the mixed cache and the new tokens -> (B, S, Hq, D)."""
-    return mixed_attention_cpu(
+    return mixed_attention_default(
         query, key, value, new_valid, k_pools, v_pools, k_tier, k_slot, v_tier, v_slot, tail_k, tail_v, tail_len,
         scaling, value_group,
     ).contiguous()  # fmt: skip
@@ -89,7 +89,7 @@ def mixed_attention(
 _warned_cpu = False
 
 
-def mixed_attention_cpu(
+def mixed_attention_default(
     query, key, value, new_valid, k_pools, v_pools, k_tier, k_slot, v_tier, v_slot, tail_k, tail_v, tail_len,
     scaling, value_group,
 ) -> Tensor:  # fmt: skip
@@ -145,7 +145,7 @@ if USE_TRITON:
 _IMPLEMENTATIONS = {
     quantize_pack: (quantize_pack_reference, quantize_pack_triton),
     dequantize: (dequantize_reference, dequantize_triton),
-    mixed_attention: (mixed_attention_cpu, mixed_attention_triton),
+    mixed_attention: (mixed_attention_default, mixed_attention_triton),
 }
 
 
