@@ -167,28 +167,6 @@ static inline float dot(const float *restrict x, const float *restrict y, int64_
     return total;
 }
 
-/* exp(x) for x <= 0 (a logit minus the row maximum), within 2 ulp; -inf -> 0, NaN -> NaN.
- * Branch-free so that the loop over a row vectorizes (libm's expf does not, here). */
-static inline float exp_nonpositive(float x) {
-    float xc = x < -87.5f ? -87.5f : x;
-    float n = floorf(xc * 1.44269504088896341f + 0.5f);
-    float r = xc - n * 0.693359375f;
-    r = r - n * -2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    int32_t e = ((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &e, 4);
-    float y = p * scale;
-    y = x < -87.5f ? 0.0f : y;
-    return x != x ? x : y;
-}
-
 /* Lanes of a where mask (all ones), else of b. */
 static inline v16 select16(v16i mask, v16 a, v16 b) {
     v16i ai, bi, r;
@@ -200,7 +178,9 @@ static inline v16 select16(v16i mask, v16 a, v16 b) {
     return out;
 }
 
-/* exp_nonpositive on 16 lanes (the same steps; round to nearest by the 1.5·2^23 shift). */
+/* exp(x) on 16 lanes for x <= 0 (a logit minus the row maximum), within 2 ulp (Cephes'
+ * polynomial after n = round(x·log2 e), by the 1.5·2^23 shift); -inf -> 0, NaN -> NaN.
+ * Written on vectors because libm's expf does not vectorize here. */
 static inline v16 exp16(v16 x) {
     const v16 zero = {0};
     const v16i under = x < -87.5f, nan = x != x;
@@ -454,9 +434,14 @@ static int attend_head(const dims_t *m, const pools_t *kp, const pools_t *vp, co
             memcpy(l + i, &e, 64);
             part += e;
         }
-        for (; i < width; i++) {
-            l[i] = exp_nonpositive(l[i] - mx);
-            sum += l[i];
+        if (i < width) { /* the last, partial block, padded with unseen (-inf) lanes */
+            float last[16];
+            for (int k = 0; k < 16; k++) last[k] = i + k < width ? l[i + k] - mx : -INFINITY;
+            const v16 e = exp16(load16(last));
+            for (int k = 0; i + k < width; k++) {
+                l[i + k] = e[k];
+                sum += e[k];
+            }
         }
         for (int k = 0; k < 16; k++) sum += part[k];
         acc[r] = sum;
