@@ -33,6 +33,7 @@ import torch
 from ..quantization import normal_tables
 from ..tiers import QUANTIZED_TIERS, TIER_FORMATS
 from .mixed_attention import check_args
+from .quantize_pack import packed_shapes
 
 ENABLED = os.environ.get("HQEKV_CPU_KERNEL", "1") != "0"
 """CPU decode steps use the C kernel (it builds, and not ``HQEKV_CPU_KERNEL=0``)."""
@@ -132,15 +133,32 @@ def _centres() -> torch.Tensor:
     return normal_tables(1)[1].contiguous()
 
 
-def supports(query: torch.Tensor, k_pools: list[torch.Tensor], tail_k: torch.Tensor) -> bool:
-    """Whether the kernel takes these inputs: CPU tensors in float32/float16/bfloat16."""
+def supports(query, k_pools, v_pools, tail_k, tail_v) -> bool:
+    """Whether the kernel takes these inputs: CPU tensors in float32/float16/bfloat16, the
+    FP16 pools in the tail's dtype and all metadata in one dtype (else the reference runs)."""
+    meta = {m.dtype for pools in (k_pools, v_pools) for m in pools[2::3] + pools[3::3]}
     return (
         query.device.type == "cpu"
         and query.dtype in DTYPES
         and tail_k.dtype in DTYPES
-        and k_pools[0].dtype == tail_k.dtype
-        and k_pools[2].dtype in DTYPES
+        and tail_v.dtype == tail_k.dtype == k_pools[0].dtype == v_pools[0].dtype
+        and len(meta) == 1
+        and meta <= DTYPES.keys()
     )
+
+
+def _check_pools(pools: list[torch.Tensor], per_channel: bool, h: int, g: int, d: int, group: int) -> None:
+    """Each pool must have the shape its slots imply: the kernel reads them by these shapes."""
+    fp = pools[0]
+    if tuple(fp.shape[1:]) != (h, g, d):
+        raise ValueError(f"FP16 pool of shape {tuple(fp.shape)}, expected (N, {h}, {g}, {d})")
+    for i, t in enumerate(QUANTIZED_TIERS):
+        codes, m0, m1 = pools[1 + 3 * i : 4 + 3 * i]
+        want_codes, want_meta = packed_shapes((codes.shape[0], h, g, d), TIER_FORMATS[t][0], per_channel, group)
+        if codes.dtype != torch.int32 or tuple(codes.shape) != want_codes:
+            raise ValueError(f"tier {t} codes: {codes.dtype} {tuple(codes.shape)}, expected int32 {want_codes}")
+        if tuple(m0.shape) != want_meta or tuple(m1.shape) != want_meta:
+            raise ValueError(f"tier {t} metadata of shapes {tuple(m0.shape)}, {tuple(m1.shape)}, expected {want_meta}")
 
 
 def mixed_attention_cpu(
@@ -155,18 +173,22 @@ def mixed_attention_cpu(
     b, hq, s, d = query.shape
     hkv, g = key.shape[1], tail_k.shape[2]
     c = k_tier.shape[1]
+    if not supports(query, k_pools, v_pools, tail_k, tail_v):
+        raise ValueError("the C kernel takes CPU tensors in float32/float16/bfloat16, FP16 pools in the tail's "
+                         "dtype and all metadata in one dtype")  # fmt: skip
+    if not 1 <= value_group <= d:
+        raise ValueError(f"value group {value_group} must be in [1, head dim {d}]")
+    _check_pools(k_pools, True, hkv, g, d, value_group)
+    _check_pools(v_pools, False, hkv, g, d, value_group)
     meta_dtype = k_pools[2].dtype
     keep = [
         query.float().contiguous(), key.float().contiguous(), value.float().contiguous(),
         new_valid.to(torch.uint8).contiguous(),
         *(t.to(torch.int64).contiguous() for t in (k_tier, k_slot, v_tier, v_slot)),
-        tail_k.contiguous(), tail_v.to(tail_k.dtype).contiguous(), tail_len.to(torch.int64).contiguous(),
+        tail_k.contiguous(), tail_v.contiguous(), tail_len.to(torch.int64).contiguous(),
         _centres(),
         *(t.contiguous() for t in k_pools), *(t.contiguous() for t in v_pools),
     ]  # fmt: skip
-    for pools in (k_pools, v_pools):
-        if pools[0].dtype != tail_k.dtype or any(m.dtype != meta_dtype for m in pools[2::3] + pools[3::3]):
-            raise ValueError("the FP16 pools must share the tail's dtype, and all metadata one dtype")
     sizes = [b, hq, hkv, s, d, g, c, value_group, DTYPES[tail_k.dtype], DTYPES[meta_dtype], DTYPES[query.dtype]]
     sizes += [TIER_FORMATS[t][0] for t in QUANTIZED_TIERS] + [int(TIER_FORMATS[t][1]) for t in QUANTIZED_TIERS]
     for pools in (k_pools, v_pools):

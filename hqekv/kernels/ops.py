@@ -99,7 +99,7 @@ def mixed_attention_default(
     global _warned_cpu
     args = (query, key, value, new_valid, k_pools, v_pools, k_tier, k_slot, v_tier, v_slot, tail_k, tail_v, tail_len,
             scaling, value_group)  # fmt: skip
-    if query.shape[2] == 1 and cpu.ENABLED and cpu.supports(query, k_pools, tail_k):
+    if query.shape[2] == 1 and cpu.ENABLED and cpu.supports(query, k_pools, v_pools, tail_k, tail_v):
         if cpu.library() is not None:
             return cpu.mixed_attention_cpu(*args)
         if not _warned_cpu:

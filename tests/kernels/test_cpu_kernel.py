@@ -145,3 +145,28 @@ def test_fused_cpu_attention_shared_among_threads_equals_one_thread(monkeypatch)
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(shared, one)
+
+
+@needs_kernel
+def test_fused_cpu_attention_refuses_pools_of_the_wrong_shape_before_reading_them():
+    args = random_mixed_cache(**SHAPES["smollm2-decode"])
+    args["v_pools"][1] = args["v_pools"][1][..., :-1]  # 4-bit value codes one word short
+    with pytest.raises(ValueError, match="tier 1 codes"):
+        cpu.mixed_attention_cpu(**args)
+    args = random_mixed_cache(**SHAPES["smollm2-decode"])
+    with pytest.raises(ValueError, match="value group 0"):
+        cpu.mixed_attention_cpu(**dict(args, value_group=0))
+    args["k_pools"][0] = args["k_pools"][0][:, :, :16]  # FP16 key chunks of 16 tokens under a tail of 32
+    with pytest.raises(ValueError, match="FP16 pool"):
+        cpu.mixed_attention_cpu(**args)
+
+
+@needs_kernel
+def test_inputs_the_kernel_does_not_take_go_to_the_reference():
+    args = random_mixed_cache(**SHAPES["decode"])
+    args["v_pools"][0] = args["v_pools"][0].to(torch.bfloat16)  # value FP16 pool in another dtype than the tail
+    assert not cpu.supports(args["query"], args["k_pools"], args["v_pools"], args["tail_k"], args["tail_v"])
+    out = ops.mixed_attention_default(*args.values())
+    assert torch.equal(out, mixed_attention_reference(**args))
+    with pytest.raises(ValueError, match="C kernel takes"):
+        cpu.mixed_attention_cpu(**args)
