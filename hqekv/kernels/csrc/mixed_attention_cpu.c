@@ -6,9 +6,10 @@
  * The Python side (hqekv/kernels/cpu.py) passes contiguous tensors and fills two arrays
  * indexed by the P_* and A_* names it defines (prepended to this file at build time):
  * data pointers and int64 sizes. The (row, KV head) pairs are shared among A_THREADS
- * threads. Semantics are those of the reference (mixed_attention_reference): each cached element dequantized in float32 as
- * code·m0 + m1 (uniform) or centre[code]·m0 + m1 (normalized), rounded to the query dtype,
- * then float32 logits, softmax and weighted sum; a query that sees nothing gets zeros.
+ * threads. Semantics are those of the reference (mixed_attention_reference): each cached
+ * element dequantized in float32 as code·m0 + m1 (uniform) or centre[code]·m0 + m1
+ * (normalized), rounded to the query dtype, then float32 logits, softmax and weighted sum;
+ * a query that sees nothing gets zeros.
  * Built with -ffp-contract=off so that a dequantized element is the reference's to the bit.
  */
 #include <math.h>
@@ -126,7 +127,8 @@ static void key_logits(const float *restrict q, int64_t rows, const float *restr
 }
 
 /* o[j] += Σ_t p[t]·vt[t·d + j], j < d: four blocks of 16 channels at once, in registers over the tokens. */
-static inline void weigh_values(const float *restrict p, const float *restrict vt, int64_t g, int64_t d, float *restrict o) {
+static inline void weigh_values(const float *restrict p, const float *restrict vt, int64_t g, int64_t d,
+                                float *restrict o) {
     int64_t j0 = 0;
     for (; j0 + 64 <= d; j0 += 64) {
         v16 a0 = load16(o + j0), a1 = load16(o + j0 + 16), a2 = load16(o + j0 + 32), a3 = load16(o + j0 + 48);
@@ -210,7 +212,8 @@ static inline void unpack_bits(const int32_t *restrict words, const int bits, in
         const uint32_t word = (uint32_t)words[w];
         for (int k = 0; k < per; k++) out[w * per + k] = (float)((word >> (bits * k)) & mask);
     }
-    for (int64_t i = whole * per; i < n; i++) out[i] = (float)((((uint32_t)words[whole]) >> (bits * (i - whole * per))) & mask);
+    for (int64_t i = whole * per; i < n; i++)
+        out[i] = (float)((((uint32_t)words[whole]) >> (bits * (i - whole * per))) & mask);
 }
 
 static inline void unpack(const int32_t *words, int bits, int64_t n, float *out) {
@@ -241,7 +244,8 @@ static inline v16u codes16(const int32_t *restrict w, const int bits, int64_t k)
         words = (v16u){a, a, a, a, a, a, a, a, a, a, a, a, a, a, a, a};
         shifts = (v16u){0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
     } else { /* 8 bits: four words */
-        const uint32_t a = (uint32_t)w[4 * k], b = (uint32_t)w[4 * k + 1], c = (uint32_t)w[4 * k + 2], d = (uint32_t)w[4 * k + 3];
+        const uint32_t a = (uint32_t)w[4 * k], b = (uint32_t)w[4 * k + 1];
+        const uint32_t c = (uint32_t)w[4 * k + 2], d = (uint32_t)w[4 * k + 3];
         words = (v16u){a, a, a, a, b, b, b, b, c, c, c, c, d, d, d, d};
         shifts = (v16u){0, 8, 16, 24, 0, 8, 16, 24, 0, 8, 16, 24, 0, 8, 16, 24};
     }
@@ -293,7 +297,8 @@ static void dequantize_rows(const int32_t *words, int bits, int normalized, floa
 }
 
 /* One group of n codes -> out[i] = code·a + b (uniform) or centre[code]·a + b (normalized 1 bit). */
-static inline void dequantize_group(const int32_t *restrict words, int bits, int normalized, float centre0, float centre1,
+static inline void dequantize_group(const int32_t *restrict words, int bits, int normalized, float centre0,
+                                    float centre1,
                                     int64_t n, float a, float b, float *restrict tmp, float *restrict out) {
     unpack(words, bits, n, tmp);
     if (normalized)
@@ -333,7 +338,8 @@ static void key_tile(const dims_t *m, const pools_t *p, int64_t tier, int64_t sl
             float *a = tmp + g, *b = a + d;
             load_row(p->m0[q], m->meta_dtype, row, a, d);
             load_row(p->m1[q], m->meta_dtype, row, b, d);
-            dequantize_rows(p->codes[q] + row * words, bits, m->normalized[q], m->centre0, m->centre1, d, g, a, b, kt, g);
+            dequantize_rows(p->codes[q] + row * words, bits, m->normalized[q], m->centre0, m->centre1, d, g, a, b, kt,
+                            g);
             round_to(kt, g * d, m->q_dtype);
             return;
         }
@@ -347,14 +353,16 @@ static void key_tile(const dims_t *m, const pools_t *p, int64_t tier, int64_t sl
 }
 
 /* One value chunk of head h as a (G, D) tile: vt[t·D + j]. */
-static void value_tile(const dims_t *m, const pools_t *p, int64_t tier, int64_t slot, int64_t h, float *vt, float *tmp) {
+static void value_tile(const dims_t *m, const pools_t *p, int64_t tier, int64_t slot, int64_t h, float *vt,
+                       float *tmp) {
     const int64_t g = m->g, d = m->d, hkv = m->hkv, group = m->group, ng = m->ng;
     if (tier == 0) {
         load_row(p->fp, m->fp_dtype, (slot * hkv + h) * g * d, vt, g * d);
     } else {
         const int q = (int)tier - 1, bits = m->bits[q];
         const int64_t words = (group * bits + 31) / 32;
-        if (group * ng == d && group % 16 == 0 && group % (32 / bits) == 0) { /* groups tile the channels, whole words */
+        /* groups tile the channels, whole words */
+        if (group * ng == d && group % 16 == 0 && group % (32 / bits) == 0) {
             const int64_t row = (slot * hkv + h) * g * ng;
             float *a = tmp + group, *b = a + g * ng;
             load_row(p->m0[q], m->meta_dtype, row, a, g * ng);
