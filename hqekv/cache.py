@@ -118,9 +118,7 @@ class HqeKVLayer(RowStateLayer):
         self.since_rerank = torch.full((b,), cfg.rerank_interval, **long)
         self.overrun = torch.zeros(b, dtype=torch.bool, device=self.device)  # a decode step found the tail full
         self.decoded = False  # decode steps wrote tail tokens that maintain() has not yet checked
-        self.unchecked_steps = 0  # maintain() calls after decode steps since its last look at the tails
-        self.headroom = 0  # decode steps before any tail can be full, as of that look
-        self.look_every_step = self.device.type == "cpu"  # where a host read costs no sync
+        self.headroom = 0  # decode steps before any tail can be full, as of the last look at the tails
         self.is_initialized = True
 
     def update(self, key_states, value_states, *args, **kwargs):
@@ -265,12 +263,10 @@ class HqeKVLayer(RowStateLayer):
         if not self.is_initialized or not self.decoded:
             return
         self.decoded = False
-        self.unchecked_steps += 1
-        if self.unchecked_steps < self.headroom and not self.look_every_step:
+        if not self.time_to_look(self.headroom):
             return
         g = self.config.chunk_size
         tail_len = self._look()
-        self.unchecked_steps = 0
         self.headroom = g - max((n for n in tail_len if n < g), default=0)
         if max(tail_len) < g:
             return

@@ -79,10 +79,22 @@ class RowStateLayer(CacheLayerMixin):
     ROW_STATE: tuple[str, ...] = ()
 
     def init_length(self, device: torch.device) -> None:
-        """Start counting at 0 on ``device`` (called by ``lazy_initialization``)."""
+        """Start counting at 0 on ``device``, and looking at the device as :meth:`time_to_look`
+        says (called by ``lazy_initialization``)."""
         self.length = torch.zeros((), dtype=torch.long, device=device)
         if not torch.compiler.is_compiling():
             torch._dynamo.mark_static_address(self.length)  # one address for CUDA graphs
+        self.unchecked_steps = 0  # maintain() calls since its last look at the device
+        self.look_every_step = device.type == "cpu"  # where a host read costs no sync
+
+    def time_to_look(self, every: int) -> bool:
+        """Count a ``maintain()`` call; whether it should read the device (one host sync): at
+        every call on a CPU, elsewhere once ``every`` calls have passed since the last look."""
+        self.unchecked_steps += 1
+        if self.unchecked_steps < every and not self.look_every_step:
+            return False
+        self.unchecked_steps = 0
+        return True
 
     @property
     def seen(self) -> int:

@@ -89,8 +89,6 @@ class SlidingWindowLayer(RowStateLayer):
         self.keys = key_states.new_zeros(b, h, slots, d, dtype=self.fp_dtype)
         self.values = value_states.new_zeros(b, h, slots, d, dtype=self.fp_dtype)
         self.valid = torch.zeros(b, slots, dtype=torch.bool, device=self.device)
-        self.unchecked_steps = 0  # maintain() calls since the window was last checked
-        self.look_every_step = self.device.type == "cpu"  # where a host read costs no sync
         self.is_initialized = True
 
     def update(self, key_states, value_states, *args, **kwargs):
@@ -112,10 +110,8 @@ class SlidingWindowLayer(RowStateLayer):
         ``chunk_size`` calls (one host sync)."""
         if not self.is_initialized:
             return
-        self.unchecked_steps += 1
-        if self.unchecked_steps < min(self.config.chunk_size, self.window - 1) and not self.look_every_step:
+        if not self.time_to_look(min(self.config.chunk_size, self.window - 1)):
             return
-        self.unchecked_steps = 0
         check_storable(self.layer_idx, (self.keys, self.values), (self.fp_dtype,), self.seen)
 
     # --- attention ---------------------------------------------------------------------------
