@@ -3,8 +3,9 @@
 Each op runs its Triton kernel on CUDA and its pure-PyTorch reference elsewhere, except a
 decode step of ``mixed_attention`` on CPU, which runs the fused C kernel of
 :mod:`~hqekv.kernels.cpu`. ``HQEKV_TRITON=0`` in the environment (read at import) makes
-CUDA tensors use the references too; ``HQEKV_CPU_KERNEL=0``, CPU decode steps. The ops are opaque to ``torch.compile``: the fakes
-give the output shapes, so a compiled graph holds them without a graph break on any device.
+CUDA tensors use the references too; ``HQEKV_CPU_KERNEL=0``, CPU decode steps. The ops are
+opaque to ``torch.compile``: the fakes give the output shapes, so a compiled graph holds
+them without a graph break on any device.
 """
 
 from __future__ import annotations

@@ -75,7 +75,6 @@ static inline void axpy(float *restrict y, const float *restrict x, float a, int
     for (int64_t i = 0; i < n; i++) y[i] += a * x[i];
 }
 
-
 static inline v16 load16(const float *p) {
     v16 v;
     memcpy(&v, p, sizeof v);
@@ -298,8 +297,8 @@ static void dequantize_rows(const int32_t *words, int bits, int normalized, floa
 
 /* One group of n codes -> out[i] = code·a + b (uniform) or centre[code]·a + b (normalized 1 bit). */
 static inline void dequantize_group(const int32_t *restrict words, int bits, int normalized, float centre0,
-                                    float centre1,
-                                    int64_t n, float a, float b, float *restrict tmp, float *restrict out) {
+                                    float centre1, int64_t n, float a, float b, float *restrict tmp,
+                                    float *restrict out) {
     unpack(words, bits, n, tmp);
     if (normalized)
         for (int64_t i = 0; i < n; i++) out[i] = (tmp[i] == 0.0f ? centre0 : centre1) * a + b;
@@ -340,13 +339,13 @@ static void key_tile(const dims_t *m, const pools_t *p, int64_t tier, int64_t sl
             load_row(p->m1[q], m->meta_dtype, row, b, d);
             dequantize_rows(p->codes[q] + row * words, bits, m->normalized[q], m->centre0, m->centre1, d, g, a, b, kt,
                             g);
-            round_to(kt, g * d, m->q_dtype);
-            return;
-        }
-        for (int64_t j = 0; j < d; j++) {
-            const int64_t row = (slot * hkv + h) * d + j;
-            dequantize_group(p->codes[q] + row * words, bits, m->normalized[q], m->centre0, m->centre1, g,
-                             load(p->m0[q], m->meta_dtype, row), load(p->m1[q], m->meta_dtype, row), tmp, kt + j * g);
+        } else {
+            for (int64_t j = 0; j < d; j++) {
+                const int64_t row = (slot * hkv + h) * d + j;
+                dequantize_group(p->codes[q] + row * words, bits, m->normalized[q], m->centre0, m->centre1, g,
+                                 load(p->m0[q], m->meta_dtype, row), load(p->m1[q], m->meta_dtype, row), tmp,
+                                 kt + j * g);
+            }
         }
     }
     round_to(kt, g * d, m->q_dtype);
@@ -369,17 +368,16 @@ static void value_tile(const dims_t *m, const pools_t *p, int64_t tier, int64_t 
             load_row(p->m1[q], m->meta_dtype, row, b, g * ng);
             dequantize_rows(p->codes[q] + row * words, bits, m->normalized[q], m->centre0, m->centre1, g * ng, group, a,
                             b, vt, group);
-            round_to(vt, g * d, m->q_dtype);
-            return;
+        } else {
+            for (int64_t t = 0; t < g; t++)
+                for (int64_t k = 0; k < ng; k++) {
+                    const int64_t grp = ((slot * hkv + h) * g + t) * ng + k;
+                    const int64_t j0 = k * group, n = j0 + group <= d ? group : d - j0; /* a short last group */
+                    dequantize_group(p->codes[q] + grp * words, bits, m->normalized[q], m->centre0, m->centre1, n,
+                                     load(p->m0[q], m->meta_dtype, grp), load(p->m1[q], m->meta_dtype, grp), tmp,
+                                     vt + t * d + j0);
+                }
         }
-        for (int64_t t = 0; t < g; t++)
-            for (int64_t k = 0; k < ng; k++) {
-                const int64_t grp = ((slot * hkv + h) * g + t) * ng + k;
-                const int64_t j0 = k * group, n = j0 + group <= d ? group : d - j0; /* a short last group */
-                dequantize_group(p->codes[q] + grp * words, bits, m->normalized[q], m->centre0, m->centre1, n,
-                                 load(p->m0[q], m->meta_dtype, grp), load(p->m1[q], m->meta_dtype, grp), tmp,
-                                 vt + t * d + j0);
-            }
     }
     round_to(vt, g * d, m->q_dtype);
 }
