@@ -25,9 +25,9 @@ print("torch", torch.__version__, "triton", triton.__version__, "transformers", 
       torch.cuda.get_device_name())
 PY
 # Kernel tests (Triton compiled for the GPU, compared with the CPU references) and the
-# patched model's compiled decode on CUDA.
+# patched model's compiled decode on CUDA, over a static cache too.
 status=0
-timeout 240 python3 -m pytest -q -p no:cacheprovider tests/kernels tests/test_compile.py -k "not smollm2" 2>&1 \
+timeout 240 python3 -m pytest -q -p no:cacheprovider tests/kernels tests/test_compile.py tests/test_static.py -k "not smollm2" 2>&1 \
   | tee "$out/gpu_tests.log" || status=1
 timeout 90 python3 benchmarks/kernels.py --out "$out/gpu_kernels.json" || status=1
 timeout 150 python3 benchmarks/decode_random.py --shape llama3-8b --lengths 8192 32768 --bavg 3.2 \

@@ -39,11 +39,11 @@ from collections.abc import Sequence
 import torch
 from transformers.cache_utils import Cache
 
-from . import attention, importance, rerank, tail, window
+from . import attention, importance, policy, rerank, tail, window
 from .config import HqeKVConfig
 from .layer_base import RowStateLayer, check_storable, fits_float16
 from .memory import cache_report
-from .pools import KEY, VALUE, ComponentPools
+from .pools import KEY, VALUE, ComponentPools, grown
 from .rerank import ChunkTable
 from .rotation import rotate, rotation_matrix, unrotate
 from .sliding import SlidingWindowLayer
@@ -74,8 +74,8 @@ class HqeKVLayer(RowStateLayer):
     is_croppable = False
     ROW_STATE = _ROW_STATE
 
-    def __init__(self, config: HqeKVConfig, layer_idx: int | None = None):
-        super().__init__()
+    def __init__(self, config: HqeKVConfig, layer_idx: int | None = None, max_length: int | None = None):
+        super().__init__(max_length)
         self.config = config
         self.layer_idx = layer_idx
         self.has_tokens = False
@@ -208,6 +208,14 @@ class HqeKVLayer(RowStateLayer):
     def table(self) -> ChunkTable:
         return ChunkTable(self.chunk_pos, self.k_tier, self.k_slot, self.v_tier, self.v_slot)
 
+    def live_table(self) -> ChunkTable:
+        """The chunk tables without the empty columns a static cache keeps for chunks to come
+        (one host read; eager code: re-ranking, the dequantized view)."""
+        width = int((self.chunk_pos >= 0).sum(1).max()) if self.chunk_pos.numel() else 0
+        if width == self.chunk_pos.shape[1]:
+            return self.table
+        return ChunkTable(*(t[:, :width] for t in self.table))
+
     def _set_table(self, table: ChunkTable) -> None:
         self.chunk_pos, self.k_tier, self.k_slot, self.v_tier, self.v_slot = table
 
@@ -219,20 +227,75 @@ class HqeKVLayer(RowStateLayer):
             self._append(query.detach(), key.detach(), value.detach(), new_valid)
         self.has_tokens = True
         self.headroom = 0  # the tails changed by more than a token: look at them after the next decode step
-        self._mark_sizes_dynamic()
+        if self.static:
+            self._reserve(self._planned_room())
+        self._mark_for_compile()
 
-    def _mark_sizes_dynamic(self) -> None:
+    def _mark_for_compile(self) -> None:
         """Tell ``torch.compile`` that pool sizes and table widths vary, so they never cause a recompile.
 
         They only reach a compiled graph as inputs of the opaque ``hqekv::mixed_attention`` op,
         whose output shape does not depend on them; marked unbacked, they are not specialized
-        (not even at 0 or 1) and the decode graph is compiled once.
+        (not even at 0 or 1) and the decode graph is compiled once. A static cache also marks
+        every tensor a decode step reads or writes as a static address (CUDA graphs replay
+        over them without copies; :meth:`RowStateLayer.pin`).
         """
         for component in (KEY, VALUE):
             for t in self.pools[component].op_order():
                 torch._dynamo.decorators.mark_unbacked(t, 0)
         for t in self.table:
             torch._dynamo.decorators.mark_unbacked(t, 1)
+        if self.static:
+            self.pin(*self.pools[KEY].tensors(), *self.pools[VALUE].tensors())
+
+    # --- room: the capacity of a static cache ------------------------------------------------
+
+    def _planned_room(self) -> tuple[dict[str, dict[int, int]], int]:
+        """Slots per component and tier, and the chunk-table width, that ``max_length`` tokens
+        in every row need under this layer's ratios: the policy's tier counts at that length;
+        in FP16 also the protected chunks and the chunks flushed since the last re-rank (a
+        re-rank comes at the first flush ``rerank_interval`` tokens after the one before);
+        two chunks of rounding per quantized tier (chunks only move down, so a tier can hold
+        a chunk or two beyond its count)."""
+        cfg = self.config
+        g = cfg.chunk_size
+        n = -(-self.max_length // g)  # chunks of the longest row
+        flushed = -(-cfg.rerank_interval // g) + 1
+        rankable = torch.tensor([max(n - cfg.protected_chunks, 0)])
+        counts = {VALUE: policy.tier_counts(rankable, cfg.ratios)[0].tolist()}
+        counts[KEY] = policy.tier_counts(rankable, cfg.key_ratios)[0].tolist() if cfg.key_ratios else counts[VALUE]
+        b = self.batch_size
+        slots = {
+            c: {FP16: b * (counts[c][FP16] + cfg.protected_chunks + flushed), **{t: b * (counts[c][t] + 2) for t in QUANTIZED_TIERS}}
+            for c in (KEY, VALUE)
+        }
+        return slots, min(n, n - counts[VALUE][EVICTED] + flushed)
+
+    def _reserve(self, room: tuple[dict[str, dict[int, int]], int]) -> None:
+        """Pools and tables sized to ``room`` (from :meth:`_planned_room`), or to what is in use
+        where that is more (an input stores all its chunks in FP16 before re-ranking moves
+        them down: the room it took is given back)."""
+        slots, width = room
+        for component, by_tier in slots.items():
+            pools = self.pools[component]
+            for t, n in by_tier.items():
+                n = max(n, pools.used[t])
+                if n != pools.capacity(t):
+                    pools.resize(t, n)
+        width = max(width, self.live_table().chunk_pos.shape[1])
+        if width < self.chunk_pos.shape[1]:
+            self._set_table(ChunkTable(*(t[:, :width].clone() for t in self.table)))
+        self._widen(width, exact=True)
+
+    def _widen(self, width: int, exact: bool = False) -> None:
+        """Chunk tables at least ``width`` wide, new columns empty: a static cache grows them by
+        :func:`~hqekv.pools.grown` (unless ``exact``), others to exactly ``width``."""
+        w = self.chunk_pos.shape[1]
+        if width <= w:
+            return
+        if self.static and not exact:
+            width = max(width, grown(w))
+        self._set_table(ChunkTable(*(torch.nn.functional.pad(t, (0, width - w), value=-1) for t in self.table)))
 
     def _store_decode_token(self, query, key, value, new_valid) -> None:
         """Write one token per row into the tail and the query window, with fixed shapes.
@@ -273,11 +336,11 @@ class HqeKVLayer(RowStateLayer):
         full = self.tail_len >= g
         with torch.no_grad():
             self._add_fp16_chunks(tail.as_chunk(self.tail_k), tail.as_chunk(self.tail_v), full[:, None])
-            self.tail_len = torch.where(full, 0, self.tail_len)
+            self.tail_len.masked_fill_(full, 0)
             due = full & (self.since_rerank >= self.config.rerank_interval)
             if bool(due.any()):
                 self.rerank(due)
-        self._mark_sizes_dynamic()
+        self._mark_for_compile()
 
     def _look(self) -> list[int]:
         """The one host sync of :meth:`maintain`: each row's tail length, after checking what
@@ -310,7 +373,7 @@ class HqeKVLayer(RowStateLayer):
         of each cached token within its sequence), valid (B, C·G + G) bool.
         """
         keys, values, positions, valid = attention.dequantized(
-            self.pools, self.table, self.tail_k, self.tail_v, self.tail_len, self.n_chunks, self.config.chunk_size,
+            self.pools, self.live_table(), self.tail_k, self.tail_v, self.tail_len, self.n_chunks, self.config.chunk_size,
             self.value_group, self.dtype,
         )  # fmt: skip
         if new_keys is not None:
@@ -344,27 +407,21 @@ class HqeKVLayer(RowStateLayer):
         slots = {}
         for component, new in ((KEY, fk), (VALUE, fv)):
             pools = self.pools[component]
-            slots[component] = pools.fp.shape[0] + added
-            pools.fp = torch.cat([pools.fp, new[rows, cols].to(self.fp_dtype)])
+            start = pools.used[FP16]
+            slots[component] = start + added
+            pools.store(FP16, start, new[rows, cols].to(self.fp_dtype), self.static)
         n_phys = (self.chunk_pos >= 0).sum(1)
-        b, c_old = self.chunk_pos.shape
-        c_new = int((n_phys + ok.sum(1)).max())
-        grow = c_new - c_old
-        tables = [
-            torch.nn.functional.pad(t, (0, grow), value=-1)
-            for t in (self.chunk_pos, self.k_tier, self.k_slot, self.v_tier, self.v_slot)
-        ]
+        self._widen(int((n_phys + ok.sum(1)).max()))
         dest = n_phys[rows] + cols
-        for table, value in zip(tables, (self.n_chunks[rows] + cols, FP16, slots[KEY], FP16, slots[VALUE])):
+        for table, value in zip(self.table, (self.n_chunks[rows] + cols, FP16, slots[KEY], FP16, slots[VALUE])):
             table[rows, dest] = value
-        self.chunk_pos, self.k_tier, self.k_slot, self.v_tier, self.v_slot = tables
-        self.n_chunks = self.n_chunks + ok.sum(1)
+        self.n_chunks += ok.sum(1)
 
     def chunk_importance(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Importance of every kept chunk from the window queries (SPEC §1.2).
 
         -> keys, values (B, H, C·G + G, D) as :meth:`physical_cache` returns them, and
-        score_k, score_v (B, C) float32 chunk scores in chunk-table order. The scores do not
+        score_k, score_v (B, C) float32 chunk scores in the order of :meth:`live_table`. The scores do not
         depend on ``config.rotation`` (beyond rounding): q·k is invariant and range(V) is
         taken in the model's basis.
         """
@@ -374,16 +431,17 @@ class HqeKVLayer(RowStateLayer):
             raise ValueError(
                 f"non-finite (NaN/inf) key or value states in layer {self.layer_idx}: they cannot be ranked or quantized"
             )
+        table = self.live_table()
         weights = importance.window_attention(
             self.win_q, self.win_pos, self.win_valid, keys, positions, valid, self.scaling
         )
         # range(V) in the model's basis: the rotation changes what the quantizers see, not the ranking
         metric_k, metric_v = importance.token_metrics(weights, unrotate(values, self.rotation))
-        c = self.chunk_pos.shape[1]
+        c = table.chunk_pos.shape[1]
         score_k = importance.chunk_scores(metric_k[:, : c * g], g)
         score_v = importance.chunk_scores(metric_v[:, : c * g], g)
         if self.config.importance == "random":
-            score_k, score_v = importance.random_scores(self.chunk_pos, self.layer_idx or 0)
+            score_k, score_v = importance.random_scores(table.chunk_pos, self.layer_idx or 0)
         return keys, values, score_k, score_v
 
     def copy(self, chunks: bool = True) -> "HqeKVLayer":
@@ -398,10 +456,25 @@ class HqeKVLayer(RowStateLayer):
         return layer
 
     def set_chunks(self, table: ChunkTable, pools: dict[str, ComponentPools]) -> None:
-        """Hold ``pools`` through ``table`` in place of the current chunks (:mod:`hqekv.rerank`)."""
-        self._set_table(table)
-        self.pools = pools
-        self._mark_sizes_dynamic()
+        """Hold ``pools`` through ``table`` in place of the current chunks (:mod:`hqekv.rerank`).
+
+        A static cache copies them into its own tensors (growing those that lack room), so
+        every address a decode step uses stays; other caches take them as they are.
+        """
+        if not self.static:
+            self._set_table(table)
+            self.pools = pools
+        else:
+            for component, new in pools.items():
+                own = self.pools[component]
+                for t in (FP16, *QUANTIZED_TIERS):
+                    own.used[t] = 0
+                    own.store(t, 0, new.in_use(t), static=True)
+            self._widen(table.chunk_pos.shape[1])
+            for own, new in zip(self.table, table):
+                own.fill_(-1)
+                own[:, : new.shape[1]] = new
+        self._mark_for_compile()
 
     def rerank(self, rows: torch.Tensor) -> None:
         """Re-rank the chunks of ``rows`` (B,) bool and move them down the tiers (SPEC §1.4).
@@ -411,24 +484,23 @@ class HqeKVLayer(RowStateLayer):
         """
         g = self.config.chunk_size
         keys, values, score_k, score_v = self.chunk_importance()
-        b, c = self.chunk_pos.shape
-        table = self.table
+        table = self.live_table()
+        b, c = table.chunk_pos.shape
         cfg = self.config
         prop_k, prop_v = rerank.propose(
             cfg, score_k, score_v, table, self.n_chunks, self.n_evicted, cfg.ratios, cfg.key_ratios
         )
-        here = rows[:, None] & (self.chunk_pos >= 0)
-        new_k = torch.where(here, torch.maximum(self.k_tier, prop_k), self.k_tier)
-        new_v = torch.where(here, torch.maximum(self.v_tier, prop_v), self.v_tier)
+        here = rows[:, None] & (table.chunk_pos >= 0)
+        new_k = torch.where(here, torch.maximum(table.k_tier, prop_k), table.k_tier)
+        new_v = torch.where(here, torch.maximum(table.v_tier, prop_v), table.v_tier)
         evicted = here & (prop_k == EVICTED)
         dense = {
             component: x[:, :, : c * g].reshape(b, self.num_kv_heads, c, g, self.head_dim).transpose(1, 2)
             for component, x in ((KEY, keys), (VALUE, values))
         }
-        table, self.pools = rerank.rebuild(table, self.pools, new_k, new_v, dense, self.value_group, self.meta_dtype)
-        self._set_table(table)
-        self.n_evicted = self.n_evicted + evicted.sum(1)
-        self.since_rerank = torch.where(rows, 0, self.since_rerank)
+        self.set_chunks(*rerank.rebuild(table, self.pools, new_k, new_v, dense, self.value_group, self.meta_dtype))
+        self.n_evicted += evicted.sum(1)
+        self.since_rerank.masked_fill_(rows, 0)
 
     # --- accounting ----------------------------------------------------------------------------
 
@@ -443,6 +515,10 @@ class HqeKVLayer(RowStateLayer):
         for part, names in _ROW_PARTS.items():
             out[part] = sum(getattr(self, n).nbytes for n in names)
         out["counters"] += self.length.nbytes
+        # a static cache's room for chunks to come: free pool slots and empty table columns
+        empty_columns = sum(t.nbytes for t in self.table) - sum(t.nbytes for t in self.live_table())
+        out["tables"] -= empty_columns
+        out["reserve"] = empty_columns + sum(self.pools[comp].reserve_nbytes() for comp in (KEY, VALUE))
         return out
 
     def chunk_counts(self) -> dict[str, int]:
@@ -468,9 +544,25 @@ class HqeKVCache(Cache):
     (``generate`` does it for a patched model); it holds all of that request's state.
     ``input_valid`` (B, S) bool is the padding mask of the tokens of the forward in
     progress, set by the patched model from its 2-D ``attention_mask``.
+
+    ``max_length`` (tokens per row, prompt included) makes the cache *static*, for CUDA
+    graphs: after the prefill each layer reserves the pool slots and table columns its
+    ratios imply for that length, and a decode step, the flush of a full tail and a
+    re-rank write in place, so every tensor a decode step uses keeps its address (storage
+    that runs out of room grows by a quarter, in the eager step: then a CUDA graph
+    re-records once). The reserve is real memory, reported as part ``reserve``.
+    ``generate`` makes its cache static when it compiles the decode step. Without
+    ``max_length`` storage is exactly what the chunks need, and changes address as the
+    cache grows.
     """
 
-    def __init__(self, config: HqeKVConfig, num_layers: int, sliding_windows: Sequence[int | None] | None = None):
+    def __init__(
+        self,
+        config: HqeKVConfig,
+        num_layers: int,
+        sliding_windows: Sequence[int | None] | None = None,
+        max_length: int | None = None,
+    ):
         windows = [None] * num_layers if sliding_windows is None else list(sliding_windows)
         if len(windows) != num_layers:
             raise ValueError(f"{len(windows)} sliding windows given for {num_layers} layers")
@@ -483,12 +575,13 @@ class HqeKVCache(Cache):
         layers, j = [], 0
         for i, w in enumerate(windows):
             if w is None:
-                layers.append(HqeKVLayer(config.for_layer(j), i))
+                layers.append(HqeKVLayer(config.for_layer(j), i, max_length))
                 j += 1
             else:
-                layers.append(SlidingWindowLayer(config, w, i))
+                layers.append(SlidingWindowLayer(config, w, i, max_length))
         super().__init__(layers=layers)
         self.config = config
+        self.max_length = max_length
         self.input_valid: torch.Tensor | None = None
 
     @property

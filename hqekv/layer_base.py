@@ -74,9 +74,24 @@ class RowStateLayer(CacheLayerMixin):
     tensor on the layer's device that forwards advance in place, as transformers'
     ``StaticLayer`` keeps ``cumulative_length``: a compiled decode step reads and advances
     it without a Python int reaching its graph. ``seen`` reads it on the host.
+
+    ``max_length`` set makes the layer *static*, for CUDA graphs: its storage is reserved
+    for that many tokens per row when its first input is stored, and every tensor a decode
+    step reads or writes keeps its address (changed in place, marked with
+    ``torch._dynamo.mark_static_address``) unless storage must grow (rarely, by :data:`hqekv.pools.GROWTH`).
     """
 
     ROW_STATE: tuple[str, ...] = ()
+
+    def __init__(self, max_length: int | None = None):
+        super().__init__()
+        if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1):
+            raise ValueError(f"max_length must be a positive number of tokens or None, got {max_length!r}")
+        self.max_length = max_length
+
+    @property
+    def static(self) -> bool:
+        return self.max_length is not None
 
     def init_length(self, device: torch.device) -> None:
         """Start counting at 0 on ``device``, and looking at the device as :meth:`time_to_look`
@@ -86,6 +101,14 @@ class RowStateLayer(CacheLayerMixin):
             torch._dynamo.mark_static_address(self.length)  # one address for CUDA graphs
         self.unchecked_steps = 0  # maintain() calls since its last look at the device
         self.look_every_step = device.type == "cpu"  # where a host read costs no sync
+
+    def pin(self, *tensors: torch.Tensor) -> None:
+        """Mark the per-row tensors, the length and ``tensors`` as static addresses (a static
+        layer, after it stored an input or its storage grew)."""
+        if torch.compiler.is_compiling():
+            return
+        for t in (*(getattr(self, name) for name in self.ROW_STATE), self.length, *tensors):
+            torch._dynamo.mark_static_address(t)
 
     def time_to_look(self, every: int) -> bool:
         """Count a ``maintain()`` call; whether it should read the device (one host sync): at
@@ -129,10 +152,15 @@ class RowStateLayer(CacheLayerMixin):
             for name in self.ROW_STATE:
                 setattr(self, name, fn(getattr(self, name)))
             self.batch_size = getattr(self, self.ROW_STATE[0]).shape[0]
+            if self.static:
+                self.pin()  # new rows, new tensors: a CUDA graph re-records once
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        """Rows may then share pool slots; the next rebuild gives each its own copy."""
-        self._map_rows(lambda t: t.index_select(0, beam_idx.to(t.device)))
+        """In place (addresses stay). Rows may then share pool slots; the next rebuild gives each its own copy."""
+        if self.is_initialized:
+            for name in self.ROW_STATE:
+                t = getattr(self, name)
+                t.copy_(t.index_select(0, beam_idx.to(t.device)))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         self._map_rows(lambda t: t.repeat_interleave(repeats, dim=0))

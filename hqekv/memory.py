@@ -24,7 +24,9 @@ class MemoryReport:
     bytes_by_part : dict[str, int]
         Real bytes per part, summed over layers: ``k.fp16``, ``k.int4``, ... (codes and
         metadata), ``tail``, ``tables``, ``window`` (queries kept for re-ranking), ``counters``,
-        and ``sliding``: the exact windows of sliding-attention layers (docs/architectures.md).
+        ``sliding``: the exact windows of sliding-attention layers (docs/architectures.md),
+        and ``reserve``: pool slots and table columns a static cache holds for chunks to
+        come (``max_length``; docs/kernels.md).
     dense_bytes : int
         Bytes a ``DynamicCache`` in the model dtype holds for the same input (padding included;
         in a sliding layer, its window).

@@ -161,19 +161,20 @@ def _input_valid(attention_mask, n_new: int) -> torch.Tensor | None:
     return attention_mask[:, -n_new:].bool()
 
 
-def new_cache(model) -> HqeKVCache:
-    """A fresh HqeKV cache for a patched model."""
+def new_cache(model, max_length: int | None = None) -> HqeKVCache:
+    """A fresh HqeKV cache for a patched model; static, with room for ``max_length`` tokens
+    per row, when that is given (see :class:`HqeKVCache`)."""
     record = getattr(model, _RECORD, None)
     if record is None:
         raise ValueError("this model is not patched; call hqekv.patch_model(model) first")
-    return cache_for(record.config, model)
+    return cache_for(record.config, model, max_length)
 
 
-def cache_for(config: HqeKVConfig, model) -> HqeKVCache:
+def cache_for(config: HqeKVConfig, model, max_length: int | None = None) -> HqeKVCache:
     """An empty cache for ``model`` under ``config``: HqeKV layers for its global attention
     layers, exact sliding windows for its sliding-window ones."""
     text_config = model.config.get_text_config()
-    return HqeKVCache(config, text_config.num_hidden_layers, sliding_windows(text_config))
+    return HqeKVCache(config, text_config.num_hidden_layers, sliding_windows(text_config), max_length)
 
 
 def patch_model(
@@ -453,7 +454,9 @@ def _prepare_forward(wrapper: _DecoderForward, args, kwargs) -> tuple[dict, HqeK
 
 
 class _PrepareCache:
-    """``_prepare_cache_for_generation``: a new HqeKV cache per request unless one is passed."""
+    """``_prepare_cache_for_generation``: a new HqeKV cache per request unless one is passed;
+    a static one, sized for ``generate``'s maximum length, when ``generate`` will compile
+    the decode step (CUDA graphs want fixed addresses)."""
 
     def __init__(self, model):
         self.model = model
@@ -464,6 +467,10 @@ class _PrepareCache:
         if user_cache is None and generation_config.use_cache is not False:
             cache = new_cache(self.model)
             model_kwargs[self.cache_name] = cache
+            max_length = kwargs.get("max_cache_length", args[2] if len(args) > 2 else None)
+            if max_length is not None and self.model._valid_auto_compile_criteria(model_kwargs, generation_config):
+                cache = new_cache(self.model, max_length)  # the tokens the cache will hold: the last one is never stored
+                model_kwargs[self.cache_name] = cache
             getattr(self.model, _RECORD).current = cache
             return
         original = type(self.model)._prepare_cache_for_generation

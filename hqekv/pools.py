@@ -14,7 +14,8 @@ attention op takes them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
 import torch
 
@@ -22,6 +23,18 @@ from . import kernels
 from .tiers import FP16, QUANTIZED_TIERS, TIER_FORMATS, TIER_NAMES
 
 KEY, VALUE = "k", "v"
+
+GROWTH = 1.25
+"""Factor by which static storage that runs out of room grows. Each growth moves it (a
+CUDA graph re-records once); what it reserves beyond need is real memory. Measured with
+SmolLM2, a 4K prompt and 256 new tokens (``benchmarks/static_room.py``): factor 2 left
+13.8% (bavg 2) and 12.3% (bavg 3.2) of the cache in reserve at the end, 1.25 left 13.6%
+and 10.9%, both with storage moved before 6 and 5 of the 255 decode steps."""
+
+
+def grown(capacity: int) -> int:
+    """The room after one growth of static storage of ``capacity`` slots (or columns)."""
+    return max(capacity + 1, math.ceil(capacity * GROWTH))
 
 
 @dataclass
@@ -68,10 +81,19 @@ def decode_chunks(
 
 @dataclass
 class ComponentPools:
-    """The pools of one component: FP16 slots and a :class:`QuantizedPool` per quantized tier."""
+    """The pools of one component: FP16 slots and a :class:`QuantizedPool` per quantized tier.
+
+    ``used[t]``: slots of tier t in use, the first ones; a pool may hold more (its capacity,
+    reserved for chunks to come in a static cache), which no chunk table points at.
+    """
 
     fp: torch.Tensor
     quantized: dict[int, QuantizedPool]
+    used: dict[int, int] = field(default_factory=dict)
+
+    def __post_init__(self):
+        for t in (FP16, *QUANTIZED_TIERS):
+            self.used.setdefault(t, self.capacity(t))
 
     @staticmethod
     def empty(
@@ -91,16 +113,63 @@ class ComponentPools:
     def tier(self, t: int) -> torch.Tensor | QuantizedPool:
         return self.fp if t == FP16 else self.quantized[t]
 
+    def _parts(self, t: int) -> tuple[torch.Tensor, ...]:
+        return (self.fp,) if t == FP16 else self.quantized[t].tensors()
+
+    def in_use(self, t: int) -> torch.Tensor | QuantizedPool:
+        """Tier ``t``'s slots in use (views)."""
+        n = self.used[t]
+        return self.fp[:n] if t == FP16 else QuantizedPool(*(x[:n] for x in self.quantized[t].tensors()))
+
+    def capacity(self, t: int) -> int:
+        """Slots tier ``t`` has room for."""
+        return self._parts(t)[0].shape[0]
+
+    def resize(self, t: int, slots: int) -> None:
+        """Give tier ``t`` room for ``slots`` slots (new tensors), keeping the slots in use."""
+        if slots < self.used[t]:
+            raise ValueError(f"cannot shrink a pool to {slots} slots: {self.used[t]} are in use")
+        parts = []
+        for x in self._parts(t):
+            y = x.new_zeros(slots, *x.shape[1:])
+            y[: self.used[t]] = x[: self.used[t]]
+            parts.append(y)
+        if t == FP16:
+            self.fp = parts[0]
+        else:
+            self.quantized[t] = QuantizedPool(*parts)
+
+    def store(self, t: int, start: int, new: torch.Tensor | QuantizedPool, static: bool) -> None:
+        """Write ``new`` (FP16 chunks (N, H, G, D), or a :class:`QuantizedPool` of N slots) into
+        slots ``start`` … ``start + N − 1`` of tier ``t``, in place, and count them in use.
+
+        Without room the tier grows first (new tensors): when ``static``, by
+        :data:`GROWTH` at least, so that growing is rare; otherwise to exactly the slots
+        needed.
+        """
+        new_parts = (new,) if t == FP16 else new.tensors()
+        end = start + new_parts[0].shape[0]
+        capacity = self.capacity(t)
+        if end > capacity:
+            self.used[t] = min(self.used[t], start)
+            self.resize(t, max(end, grown(capacity)) if static else end)
+        for x, y in zip(self._parts(t), new_parts):
+            x[start:end] = y
+        self.used[t] = max(self.used[t], end)
+
     def nbytes(self) -> dict[str, int]:
-        """Real bytes per tier name."""
+        """Real bytes of the slots in use, per tier name."""
         return {
-            TIER_NAMES[FP16]: self.fp.nbytes,
-            **{TIER_NAMES[t]: sum(x.nbytes for x in self.quantized[t].tensors()) for t in QUANTIZED_TIERS},
+            TIER_NAMES[t]: sum(x[: self.used[t]].nbytes for x in self._parts(t)) for t in (FP16, *QUANTIZED_TIERS)
         }
+
+    def reserve_nbytes(self) -> int:
+        """Real bytes of the slots not in use (a static cache's room for chunks to come)."""
+        return sum(x[self.used[t] :].nbytes for t in (FP16, *QUANTIZED_TIERS) for x in self._parts(t))
 
     def clone(self) -> "ComponentPools":
         return ComponentPools(self.fp.clone(), {t: QuantizedPool(*(x.clone() for x in p.tensors()))
-                                                for t, p in self.quantized.items()})  # fmt: skip
+                                                for t, p in self.quantized.items()}, dict(self.used))  # fmt: skip
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor the pools hold (their bytes are the pools' memory)."""

@@ -68,8 +68,8 @@ class SlidingWindowLayer(RowStateLayer):
     is_croppable = False
     ROW_STATE = _ROW_STATE
 
-    def __init__(self, config: HqeKVConfig, window: int, layer_idx: int | None = None):
-        super().__init__()
+    def __init__(self, config: HqeKVConfig, window: int, layer_idx: int | None = None, max_length: int | None = None):
+        super().__init__(max_length)
         if window < 1:
             raise ValueError(f"sliding window must be at least 1 token, got {window}")
         self.config = config
@@ -90,6 +90,8 @@ class SlidingWindowLayer(RowStateLayer):
         self.values = value_states.new_zeros(b, h, slots, d, dtype=self.fp_dtype)
         self.valid = torch.zeros(b, slots, dtype=torch.bool, device=self.device)
         self.is_initialized = True
+        if self.static:
+            self.pin()  # fixed-size buffers, written in place: nothing to reserve
 
     def update(self, key_states, value_states, *args, **kwargs):
         raise NotImplementedError(

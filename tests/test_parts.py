@@ -42,8 +42,34 @@ def test_empty_pools_list_in_op_order_and_count_their_bytes():
     assert len(tensors) == 1 + 3 * len(QUANTIZED_TIERS) and all(t.shape[0] == 0 for t in tensors)
     assert tensors[0].shape == (0, H, G, D) and tensors[0].dtype == torch.float16
     assert pools.nbytes() == {"fp16": 0, "int4": 0, "int2": 0, "int1": 0}
-    pools.fp = torch.zeros(2, H, G, D, dtype=torch.float16)
+    pools.store(FP16, 0, torch.zeros(2, H, G, D), static=False)
     assert pools.nbytes()["fp16"] == 2 * H * G * D * 2 and pools.tensors()[0] is pools.fp
+    assert pools.reserve_nbytes() == 0
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_pools_store_in_place_with_room_and_grow_without(static):
+    """``store`` writes slots in place while the tier has room; without room it grows: by
+    ``GROWTH`` in a static cache (so growing is rare), to exactly what it needs otherwise.
+    Bytes in use and the reserve add up to every byte the pools hold."""
+    chunks = prefill_chunks(9, seed=3)[VALUE]
+    pools = ComponentPools.empty(torch.zeros(1, H, 3, D), VALUE, G, GROUP, torch.float16, torch.float16)
+    pools.resize(INT2, 8)
+    address = pools.quantized[INT2].codes.data_ptr()
+    encoded = encode_chunks(chunks, INT2, VALUE, GROUP, torch.float16)
+    pools.store(INT2, 0, encoded.select(slice(0, 8)), static)
+    assert pools.used[INT2] == 8 and pools.capacity(INT2) == 8
+    assert pools.quantized[INT2].codes.data_ptr() == address  # room: written in place
+    pools.store(INT2, 8, encoded.select(slice(8, 9)), static)
+    assert pools.used[INT2] == 9 and pools.capacity(INT2) == (10 if static else 9)  # 8 · 1.25 = 10
+    for x, y in zip(pools.in_use(INT2).tensors(), encoded.tensors()):
+        assert torch.equal(x, y)  # the slots in use survived the growth
+    slot_bytes = sum(x[0].nbytes for x in encoded.tensors())
+    assert pools.nbytes()["int2"] == 9 * slot_bytes
+    assert pools.reserve_nbytes() == (pools.capacity(INT2) - 9) * slot_bytes
+    assert pools.reserve_nbytes() + sum(pools.nbytes().values()) == sum(t.nbytes for t in pools.tensors())
+    with pytest.raises(ValueError, match="in use"):
+        pools.resize(INT2, 6)
 
 
 def test_place_puts_each_chunk_at_its_tier_and_drops_evicted_ones():
