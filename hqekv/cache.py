@@ -284,7 +284,8 @@ class HqeKVLayer(RowStateLayer):
                     pools.resize(t, n)
         width = max(width, self.live_table().chunk_pos.shape[1])
         if width < self.chunk_pos.shape[1]:
-            self._set_table(ChunkTable(*(t[:, :width].clone() for t in self.table)))
+            # fresh strides: a compiled step assumes contiguous tables (a one-row slice keeps its old row stride)
+            self._set_table(ChunkTable(*(t[:, :width].clone(memory_format=torch.contiguous_format) for t in self.table)))
         self._widen(width, exact=True)
 
     def _widen(self, width: int, exact: bool = False) -> None:

@@ -11,6 +11,7 @@ from transformers import CompileConfig
 
 import hqekv
 from hqekv.cache import HqeKVLayer
+from hqekv.config import TierRatios
 
 from .conftest import stored_bytes, tiny_llama
 from .test_compile import MIXED, DEVICE, Calls, decode_loop
@@ -182,3 +183,25 @@ def test_max_length_must_be_a_positive_count(bad):
     hqekv.patch_model(model, ratios=MIXED)
     with pytest.raises(ValueError, match="max_length"):
         hqekv.new_cache(model, bad)
+
+
+def test_compiled_generate_over_static_caches_of_any_prompt_compiles_the_step_once():
+    """One row, prompts of three lengths: each request's static cache is sized anew (half the
+    chunks evicted, so its tables narrow after the prefill), and the compiled decode step
+    is not recompiled for it."""
+    model = tiny_llama().to(DEVICE)
+    hqekv.patch_model(model, ratios=TierRatios(int4=0.2, int2=0.2, int1=0.1, evict=0.5))
+    gen = torch.Generator().manual_seed(11)
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("eager")
+    config = CompileConfig(backend=lambda gm, example_inputs: counter(gm, example_inputs), mode=None, fullgraph=True)
+    config._compile_all_devices = True
+    frames = []
+    for n in (160, 600, 900):  # the first widens its tables after the prefill, the others narrow them
+        ids = torch.randint(1, 128, (1, n), generator=gen).to(DEVICE)
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=40, min_new_tokens=40, do_sample=False, compile_config=config,
+                                 return_dict_in_generate=True)  # fmt: skip
+        assert all(layer.static for layer in hqekv.patching.output_cache(out).layers)
+        frames.append(counter.frame_count)
+    assert frames == [1, 1, 1], frames
