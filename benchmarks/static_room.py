@@ -81,7 +81,9 @@ def main() -> None:
                 "growth": growth,
                 "prompt": args.length,
                 "new_tokens": args.new,
-                "reserve_share_after_prefill": moves.after_prefill.bytes_by_part["reserve"] / moves.after_prefill.total_bytes,
+                "reserve_share_after_prefill": (
+                    moves.after_prefill.bytes_by_part["reserve"] / moves.after_prefill.total_bytes
+                ),
                 "reserve_share_at_end": report.bytes_by_part["reserve"] / report.total_bytes,
                 "static_over_exact_bytes": report.total_bytes / exact.total_bytes,
                 "effective_bits_exact": exact.effective_bits,

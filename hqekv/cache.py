@@ -266,7 +266,10 @@ class HqeKVLayer(RowStateLayer):
         counts[KEY] = policy.tier_counts(rankable, cfg.key_ratios)[0].tolist() if cfg.key_ratios else counts[VALUE]
         b = self.batch_size
         slots = {
-            c: {FP16: b * (counts[c][FP16] + cfg.protected_chunks + flushed), **{t: b * (counts[c][t] + 2) for t in QUANTIZED_TIERS}}
+            c: {
+                FP16: b * (counts[c][FP16] + cfg.protected_chunks + flushed),
+                **{t: b * (counts[c][t] + 2) for t in QUANTIZED_TIERS},
+            }
             for c in (KEY, VALUE)
         }
         return slots, min(n, n - counts[VALUE][EVICTED] + flushed)
@@ -285,7 +288,8 @@ class HqeKVLayer(RowStateLayer):
         width = max(width, self.live_table().chunk_pos.shape[1])
         if width < self.chunk_pos.shape[1]:
             # fresh strides: a compiled step assumes contiguous tables (a one-row slice keeps its old row stride)
-            self._set_table(ChunkTable(*(t[:, :width].clone(memory_format=torch.contiguous_format) for t in self.table)))
+            narrow = (t[:, :width].clone(memory_format=torch.contiguous_format) for t in self.table)
+            self._set_table(ChunkTable(*narrow))
         self._widen(width, exact=True)
 
     def _widen(self, width: int, exact: bool = False) -> None:
@@ -374,8 +378,8 @@ class HqeKVLayer(RowStateLayer):
         of each cached token within its sequence), valid (B, C·G + G) bool.
         """
         keys, values, positions, valid = attention.dequantized(
-            self.pools, self.live_table(), self.tail_k, self.tail_v, self.tail_len, self.n_chunks, self.config.chunk_size,
-            self.value_group, self.dtype,
+            self.pools, self.live_table(), self.tail_k, self.tail_v, self.tail_len, self.n_chunks,
+            self.config.chunk_size, self.value_group, self.dtype,
         )  # fmt: skip
         if new_keys is not None:
             keys, values = torch.cat([keys, new_keys], dim=2), torch.cat([values, new_values], dim=2)
@@ -422,9 +426,9 @@ class HqeKVLayer(RowStateLayer):
         """Importance of every kept chunk from the window queries (SPEC §1.2).
 
         -> keys, values (B, H, C·G + G, D) as :meth:`physical_cache` returns them, and
-        score_k, score_v (B, C) float32 chunk scores in the order of :meth:`live_table`. The scores do not
-        depend on ``config.rotation`` (beyond rounding): q·k is invariant and range(V) is
-        taken in the model's basis.
+        score_k, score_v (B, C) float32 chunk scores in the order of :meth:`live_table`. The
+        scores do not depend on ``config.rotation`` (beyond rounding): q·k is invariant and
+        range(V) is taken in the model's basis.
         """
         g = self.config.chunk_size
         keys, values, positions, valid = self.physical_cache()

@@ -85,7 +85,8 @@ class RowStateLayer(CacheLayerMixin):
 
     def __init__(self, max_length: int | None = None):
         super().__init__()
-        if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1):
+        bad = isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1
+        if max_length is not None and bad:
             raise ValueError(f"max_length must be a positive number of tokens or None, got {max_length!r}")
         self.max_length = max_length
 

@@ -469,7 +469,8 @@ class _PrepareCache:
             model_kwargs[self.cache_name] = cache
             max_length = kwargs.get("max_cache_length", args[2] if len(args) > 2 else None)
             if max_length is not None and self.model._valid_auto_compile_criteria(model_kwargs, generation_config):
-                cache = new_cache(self.model, max_length)  # the tokens the cache will hold: the last one is never stored
+                # max_cache_length: the tokens the cache will hold (the last one is never stored)
+                cache = new_cache(self.model, max_length)
                 model_kwargs[self.cache_name] = cache
             getattr(self.model, _RECORD).current = cache
             return
