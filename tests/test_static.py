@@ -69,6 +69,8 @@ class Addresses:
 
 
 def test_static_cache_keeps_every_address_and_the_logits(monkeypatch):
+    """100 decode steps, three flushes and two re-ranks, over a cache sized for them: no decode
+    tensor moves, each is marked static, and logits and bytes in use are a non-static cache's."""
     model = tiny_llama().to(DEVICE)
     hqekv.patch_model(model, ratios=MIXED)
     exact, static = prefilled(model), prefilled(model, max_length=72 + STEPS)
