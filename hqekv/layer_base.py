@@ -78,7 +78,8 @@ class RowStateLayer(CacheLayerMixin):
     ``max_length`` set makes the layer *static*, for CUDA graphs: its storage is reserved
     for that many tokens per row when its first input is stored, and every tensor a decode
     step reads or writes keeps its address (changed in place, marked with
-    ``torch._dynamo.mark_static_address``) unless storage must grow (rarely, by :data:`hqekv.pools.GROWTH`).
+    ``torch._dynamo.mark_static_address``) unless storage must grow (rarely, by
+    :data:`hqekv.pools.GROWTH`).
     """
 
     ROW_STATE: tuple[str, ...] = ()
@@ -157,7 +158,8 @@ class RowStateLayer(CacheLayerMixin):
                 self.pin()  # new rows, new tensors: a CUDA graph re-records once
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        """In place (addresses stay). Rows may then share pool slots; the next rebuild gives each its own copy."""
+        """In place (addresses stay). Rows may then share pool slots; the next rebuild gives
+        each its own copy."""
         if self.is_initialized:
             for name in self.ROW_STATE:
                 t = getattr(self, name)
