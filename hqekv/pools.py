@@ -147,11 +147,13 @@ class ComponentPools:
         :data:`GROWTH` at least, so that growing is rare; otherwise to exactly the slots
         needed.
         """
+        if not 0 <= start <= self.used[t]:
+            raise ValueError(f"slots are stored from {start}, but tier {t} has {self.used[t]} in use: no gaps")
         new_parts = (new,) if t == FP16 else new.tensors()
         end = start + new_parts[0].shape[0]
         capacity = self.capacity(t)
         if end > capacity:
-            self.used[t] = min(self.used[t], start)
+            self.used[t] = start  # the slots from start on are overwritten: the growth need not keep them
             self.resize(t, max(end, grown(capacity)) if static else end)
         for x, y in zip(self._parts(t), new_parts):
             x[start:end] = y

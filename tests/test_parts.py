@@ -70,6 +70,8 @@ def test_pools_store_in_place_with_room_and_grow_without(static):
     assert pools.reserve_nbytes() + sum(pools.nbytes().values()) == sum(t.nbytes for t in pools.tensors())
     with pytest.raises(ValueError, match="in use"):
         pools.resize(INT2, 6)
+    with pytest.raises(ValueError, match="no gaps"):
+        pools.store(INT2, 10, encoded.select(slice(0, 1)), static)
 
 
 def test_place_puts_each_chunk_at_its_tier_and_drops_evicted_ones():
