@@ -21,17 +21,11 @@ from transformers import LogitsProcessor, LogitsProcessorList
 
 import hqekv
 import hqekv.pools
-from hqekv.cache import HqeKVLayer
 
 
 def decode_addresses(cache) -> tuple[int, ...]:
     """The addresses of every tensor a decode step of ``cache`` uses."""
-    out = []
-    for layer in cache.layers:
-        out += [getattr(layer, name).data_ptr() for name in (*layer.ROW_STATE, "length")]
-        if isinstance(layer, HqeKVLayer):
-            out += [t.data_ptr() for pools in layer.pools.values() for t in pools.tensors()]
-    return tuple(out)
+    return tuple(t.data_ptr() for layer in cache.layers for t in layer.decode_tensors())
 
 
 class Moves(LogitsProcessor):

@@ -246,7 +246,11 @@ class HqeKVLayer(RowStateLayer):
         for t in self.table:
             torch._dynamo.decorators.mark_unbacked(t, 1)
         if self.static:
-            self.pin(*self.pools[KEY].tensors(), *self.pools[VALUE].tensors())
+            self.pin()
+
+    def decode_tensors(self) -> list[torch.Tensor]:
+        """Every tensor a decode step reads or writes: the per-row tensors, the length and the pools."""
+        return [*super().decode_tensors(), *self.pools[KEY].tensors(), *self.pools[VALUE].tensors()]
 
     # --- room: the capacity of a static cache ------------------------------------------------
 
@@ -285,22 +289,25 @@ class HqeKVLayer(RowStateLayer):
                 n = max(n, pools.used[t])
                 if n != pools.capacity(t):
                     pools.resize(t, n)
-        width = max(width, self.live_table().chunk_pos.shape[1])
-        if width < self.chunk_pos.shape[1]:
+        self._resize_table(max(width, self.live_table().chunk_pos.shape[1]))
+
+    def _resize_table(self, width: int) -> None:
+        """Chunk tables exactly ``width`` wide (new tensors): new columns empty, and only
+        empty columns dropped."""
+        w = self.chunk_pos.shape[1]
+        if width > w:
+            self._set_table(ChunkTable(*(torch.nn.functional.pad(t, (0, width - w), value=-1) for t in self.table)))
+        elif width < w:
             # fresh strides: a compiled step assumes contiguous tables (a one-row slice keeps its old row stride)
             narrow = (t[:, :width].clone(memory_format=torch.contiguous_format) for t in self.table)
             self._set_table(ChunkTable(*narrow))
-        self._widen(width, exact=True)
 
-    def _widen(self, width: int, exact: bool = False) -> None:
-        """Chunk tables at least ``width`` wide, new columns empty: a static cache grows them by
-        :func:`~hqekv.pools.grown` (unless ``exact``), others to exactly ``width``."""
+    def _widen(self, width: int) -> None:
+        """Chunk tables at least ``width`` wide: a static cache grows them by
+        :func:`~hqekv.pools.grown`, others to exactly ``width``."""
         w = self.chunk_pos.shape[1]
-        if width <= w:
-            return
-        if self.static and not exact:
-            width = max(width, grown(w))
-        self._set_table(ChunkTable(*(torch.nn.functional.pad(t, (0, width - w), value=-1) for t in self.table)))
+        if width > w:
+            self._resize_table(max(width, grown(w)) if self.static else width)
 
     def _store_decode_token(self, query, key, value, new_valid) -> None:
         """Write one token per row into the tail and the query window, with fixed shapes.

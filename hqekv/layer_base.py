@@ -104,12 +104,16 @@ class RowStateLayer(CacheLayerMixin):
         self.unchecked_steps = 0  # maintain() calls since its last look at the device
         self.look_every_step = device.type == "cpu"  # where a host read costs no sync
 
-    def pin(self, *tensors: torch.Tensor) -> None:
-        """Mark the per-row tensors, the length and ``tensors`` as static addresses (a static
-        layer, after it stored an input or its storage grew)."""
+    def decode_tensors(self) -> list[torch.Tensor]:
+        """Every tensor a decode step reads or writes: the per-row tensors and the length."""
+        return [*(getattr(self, name) for name in self.ROW_STATE), self.length]
+
+    def pin(self) -> None:
+        """Mark :meth:`decode_tensors` as static addresses (a static layer, after it stored an
+        input or its storage grew)."""
         if torch.compiler.is_compiling():
             return
-        for t in (*(getattr(self, name) for name in self.ROW_STATE), self.length, *tensors):
+        for t in self.decode_tensors():
             torch._dynamo.mark_static_address(t)
 
     def time_to_look(self, every: int) -> bool:

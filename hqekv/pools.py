@@ -110,9 +110,6 @@ class ComponentPools:
         """The pools in ``hqekv::mixed_attention`` order: FP16, then codes, meta0, meta1 of each quantized tier."""
         return [self.fp, *(x for t in QUANTIZED_TIERS for x in self.quantized[t].tensors())]
 
-    def tier(self, t: int) -> torch.Tensor | QuantizedPool:
-        return self.fp if t == FP16 else self.quantized[t]
-
     def _parts(self, t: int) -> tuple[torch.Tensor, ...]:
         return (self.fp,) if t == FP16 else self.quantized[t].tensors()
 

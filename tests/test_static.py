@@ -10,7 +10,6 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from transformers import CompileConfig
 
 import hqekv
-from hqekv.cache import HqeKVLayer
 from hqekv.config import TierRatios
 
 from .conftest import stored_bytes, tiny_llama
@@ -23,16 +22,17 @@ EXACT = dict(atol=0, rtol=0) if DEVICE == "cpu" else dict(atol=1e-4, rtol=1e-4)
 
 
 def decode_tensors(cache) -> dict[str, torch.Tensor]:
-    """Every tensor a decode step of ``cache`` reads or writes, by a name."""
-    out = {}
-    for i, layer in enumerate(cache.layers):
-        for name in (*layer.ROW_STATE, "length"):
-            out[f"{i}.{name}"] = getattr(layer, name)
-        if isinstance(layer, HqeKVLayer):
-            for component, pools in layer.pools.items():
-                for j, t in enumerate(pools.tensors()):
-                    out[f"{i}.{component}{j}"] = t
-    return out
+    """Every tensor a decode step of ``cache`` reads or writes, by layer and place in its list."""
+    return {f"{i}.{j}": t for i, layer in enumerate(cache.layers) for j, t in enumerate(layer.decode_tensors())}
+
+
+def test_decode_tensors_are_the_row_state_the_length_and_the_pools():
+    model = tiny_llama().to(DEVICE)
+    hqekv.patch_model(model, ratios=MIXED)
+    layer = prefilled(model).layers[0]
+    named = [getattr(layer, name) for name in (*layer.ROW_STATE, "length")]
+    pools = [t for component in ("k", "v") for t in layer.pools[component].tensors()]
+    assert [id(t) for t in layer.decode_tensors()] == [id(t) for t in named + pools]
 
 
 def prefilled(model, max_length=None):
