@@ -39,7 +39,7 @@ from collections.abc import Sequence
 import torch
 from transformers.cache_utils import Cache
 
-from . import attention, importance, policy, rerank, tail, window
+from . import allocation, attention, importance, policy, rerank, tail, window
 from .config import HqeKVConfig
 from .layer_base import RowStateLayer, check_storable, fits_float16
 from .memory import cache_report
@@ -438,11 +438,7 @@ class HqeKVLayer(RowStateLayer):
         range(V) is taken in the model's basis.
         """
         g = self.config.chunk_size
-        keys, values, positions, valid = self.physical_cache()
-        if not (torch.isfinite(keys).all() and torch.isfinite(values).all()):
-            raise ValueError(
-                f"non-finite (NaN/inf) key or value states in layer {self.layer_idx}: they cannot be ranked or quantized"
-            )
+        keys, values, positions, valid = self._finite_physical_cache()
         table = self.live_table()
         weights = importance.window_attention(
             self.win_q, self.win_pos, self.win_valid, keys, positions, valid, self.scaling
@@ -455,6 +451,48 @@ class HqeKVLayer(RowStateLayer):
         if self.config.importance == "random":
             score_k, score_v = importance.random_scores(table.chunk_pos, self.layer_idx or 0)
         return keys, values, score_k, score_v
+
+    def _finite_physical_cache(self):
+        """:meth:`physical_cache`, or ``ValueError`` when it holds a NaN or an infinity."""
+        keys, values, positions, valid = self.physical_cache()
+        if not (torch.isfinite(keys).all() and torch.isfinite(values).all()):
+            raise ValueError(
+                f"non-finite (NaN/inf) key or value states in layer {self.layer_idx}: they cannot be ranked or quantized"
+            )
+        return keys, values, positions, valid
+
+    def budget_tiers(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Tiers chosen within the byte budget (``allocation="rate-distortion"``, :mod:`hqekv.allocation`).
+
+        -> keys, values (B, H, C·G + G, D) as :meth:`physical_cache` returns them, and the K and
+        V tier (B, C) of every chunk of :meth:`live_table` (EVICTED where evicted). The budget
+        of a row is ``bavg`` bits per element of all the chunks it has seen, evicted ones
+        included; the top ``protected_chunks`` under either importance metric are never evicted.
+        """
+        cfg, g = self.config, self.config.chunk_size
+        keys, values, positions, valid = self._finite_physical_cache()
+        table = self.live_table()
+        c = table.chunk_pos.shape[1]
+        probs, visible = importance.window_probabilities(
+            self.win_q, self.win_pos, self.win_valid, keys, positions, valid, self.scaling
+        )
+        score_k, score_v = allocation.chunk_importance_scores(probs, visible, unrotate(values, self.rotation), c, g)
+        chunks = table.chunk_pos >= 0
+        evictable = chunks
+        for scores in (score_k, score_v):
+            evictable = evictable & (policy.descending_rank(scores, chunks) >= cfg.protected_chunks)
+        d_k, d_v, d_evict = allocation.distortions(
+            probs, self.win_q, keys, values, c, g, self.scaling, self.value_group, self.meta_dtype
+        )
+        bytes_k, bytes_v = allocation.chunk_bytes(
+            self.num_kv_heads, g, self.head_dim, self.value_group,
+            self.pools[KEY].fp.element_size(), self.pools[KEY].quantized[QUANTIZED_TIERS[0]].meta0.element_size(),
+        )  # fmt: skip
+        budget = self.n_chunks.double() * (cfg.bavg / 8 * 2 * self.num_kv_heads * g * self.head_dim)
+        new_k, new_v = allocation.allocate(
+            d_k, d_v, d_evict, bytes_k, bytes_v, table.k_tier, table.v_tier, evictable, budget
+        )
+        return keys, values, new_k, new_v
 
     def copy(self, chunks: bool = True) -> "HqeKVLayer":
         """An independent copy of this layer's state (calibration scores trials from one prefill).
@@ -495,13 +533,16 @@ class HqeKVLayer(RowStateLayer):
         downward (FP16 → 4 → 2 → 1 → evicted), re-quantized from their dequantized values.
         """
         g = self.config.chunk_size
-        keys, values, score_k, score_v = self.chunk_importance()
         table = self.live_table()
         b, c = table.chunk_pos.shape
         cfg = self.config
-        prop_k, prop_v = rerank.propose(
-            cfg, score_k, score_v, table, self.n_chunks, self.n_evicted, cfg.ratios, cfg.key_ratios
-        )
+        if cfg.allocation == "rate-distortion":
+            keys, values, prop_k, prop_v = self.budget_tiers()
+        else:
+            keys, values, score_k, score_v = self.chunk_importance()
+            prop_k, prop_v = rerank.propose(
+                cfg, score_k, score_v, table, self.n_chunks, self.n_evicted, cfg.ratios, cfg.key_ratios
+            )
         here = rows[:, None] & (table.chunk_pos >= 0)
         new_k = torch.where(here, torch.maximum(table.k_tier, prop_k), table.k_tier)
         new_v = torch.where(here, torch.maximum(table.v_tier, prop_v), table.v_tier)

@@ -20,6 +20,10 @@ FP_DTYPES = (None, "model", "float16", "bfloat16", "float32")
 ROTATIONS = (None, "hadamard")
 """Choices of HqeKVConfig.rotation: None (the paper: no rotation) or "hadamard"."""
 
+ALLOCATIONS = ("ratios", "rate-distortion")
+"""ratios: the tier shares of ``HqeKVConfig.ratios`` (the paper); rate-distortion: each re-rank
+chooses tiers within a byte budget (:mod:`hqekv.allocation`)."""
+
 IMPORTANCE_KINDS = ("attention", "random")
 """attention: the paper's metrics (§3.2); random: the control that isolates them."""
 
@@ -143,6 +147,14 @@ FP16_RATIOS = TierRatios(fp16=1.0)
 """Everything full precision: the cache must then reproduce the unpatched model."""
 
 
+def budget_config(bavg: float, **settings) -> "HqeKVConfig":
+    """The rate-distortion allocator at ``bavg`` real bits per element of chunk storage."""
+    return HqeKVConfig(
+        ratios=uncalibrated_ratios(bavg), bavg=bavg, allocation="rate-distortion", ratios_source="rate-distortion",
+        **settings,
+    )
+
+
 def uncalibrated_ratios(bavg: float) -> TierRatios:
     """Documented fallback when no calibrated artifact exists for a model and bavg.
 
@@ -221,6 +233,14 @@ class HqeKVConfig:
         ``ratios`` are then the shares the split started from (the searched one-for-all
         ratios, :func:`hqekv.calibration.layer_budgets`). None: every layer uses ``ratios``
         (the paper). Not combinable with ``key_ratios``.
+    allocation : {"ratios", "rate-distortion"}, default "ratios"
+        "ratios": every re-rank gives each tier its share of the chunks (the paper, with
+        calibrated or given ratios). "rate-distortion": no shares; every re-rank chooses each
+        chunk's key and value tier, or its eviction, so that the chunks' real bytes (codes
+        and metadata) stay within ``bavg`` bits per element of the tokens seen and the
+        expected error of the window queries' attention outputs is smallest
+        (:mod:`hqekv.allocation`). ``bavg`` then counts real bits, metadata included, and
+        ``ratios`` only size a static cache's first reserve. ``patch_model(ratios="auto")``.
     ratios_source : str
         Where the ratios came from ("explicit", "artifact:<path>", "uncalibrated").
     """
@@ -239,6 +259,7 @@ class HqeKVConfig:
     importance: str = "attention"
     key_ratios: TierRatios | None = None
     layer_ratios: tuple[TierRatios, ...] | None = None
+    allocation: str = "ratios"
     ratios_source: str = "explicit"
     version: int = field(default=CONFIG_VERSION)
 
@@ -283,6 +304,14 @@ class HqeKVConfig:
             raise ValueError(f"metadata_dtype must be None, 'float16', 'bfloat16' or 'float32', got {self.metadata_dtype!r}")
         if self.importance not in IMPORTANCE_KINDS:
             raise ValueError(f"importance must be one of {IMPORTANCE_KINDS}, got {self.importance!r}")
+        if self.allocation not in ALLOCATIONS:
+            raise ValueError(f"allocation must be one of {ALLOCATIONS}, got {self.allocation!r}")
+        if self.allocation == "rate-distortion":
+            for name, fixed in (("key_ratios", self.key_ratios), ("layer_ratios", self.layer_ratios)):
+                if fixed is not None:
+                    raise ValueError(f"{name} fix tier shares; allocation='rate-distortion' chooses tiers by itself")
+            if self.importance != "attention":
+                raise ValueError("allocation='rate-distortion' weighs errors by attention; importance must be 'attention'")
         if self.rotation not in ROTATIONS:
             raise ValueError(f"rotation must be one of {ROTATIONS}, got {self.rotation!r}")
         if self.fp_dtype not in FP_DTYPES:
@@ -348,7 +377,7 @@ class HqeKVConfig:
         return cls(**d)
 
 
-RATIO_FIELDS = ("ratios", "bavg", "key_ratios", "layer_ratios")
+RATIO_FIELDS = ("ratios", "bavg", "key_ratios", "layer_ratios", "allocation")
 """HqeKVConfig fields that say how many bits go where: what a calibration finds."""
 RUNTIME_FIELDS = ("importance", "ratios_source", "version")
 """HqeKVConfig fields that are neither ratios nor a setting a calibration is made for."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 
-def window_attention(
+def window_probabilities(
     queries: torch.Tensor,
     query_pos: torch.Tensor,
     query_valid: torch.Tensor,
@@ -13,13 +13,13 @@ def window_attention(
     key_pos: torch.Tensor,
     key_valid: torch.Tensor,
     scaling: float,
-) -> torch.Tensor:
-    """Attention the last m queries pay to each cached token, per KV head.
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention of each window query over the cached tokens, per query head.
 
     queries (B, Hq, m, D) after RoPE; query_pos (B, m) int; query_valid (B, m) bool.
     keys (B, Hkv, N, D) after RoPE; key_pos (B, N) int; key_valid (B, N) bool.
-    -> (B, Hkv, N) float32: per token, the softmax weights summed over the queries that can
-    see it causally, divided by how many of them do; query heads of a KV group averaged.
+    -> probs (B, Hkv, Hq/Hkv, m, N) float32, 0 where a query cannot see a token (a query
+    that sees nothing is all 0), and visible (B, m, N) bool.
     """
     b, hq, m, d = queries.shape
     hkv = keys.shape[1]
@@ -34,7 +34,31 @@ def window_attention(
         & (key_pos[:, None, :] <= query_pos[:, :, None])
     )  # (B, m, N)
     logits = logits.masked_fill(~visible[:, None, None], -float("inf"))
-    probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # a query that sees nothing adds 0
+    return torch.softmax(logits, dim=-1).nan_to_num(0.0), visible
+
+
+def window_attention(
+    queries: torch.Tensor,
+    query_pos: torch.Tensor,
+    query_valid: torch.Tensor,
+    keys: torch.Tensor,
+    key_pos: torch.Tensor,
+    key_valid: torch.Tensor,
+    scaling: float,
+) -> torch.Tensor:
+    """Attention the last m queries pay to each cached token, per KV head.
+
+    Arguments as :func:`window_probabilities`.
+    -> (B, Hkv, N) float32: per token, the softmax weights summed over the queries that can
+    see it causally, divided by how many of them do; query heads of a KV group averaged.
+    """
+    probs, visible = window_probabilities(queries, query_pos, query_valid, keys, key_pos, key_valid, scaling)
+    return per_token_attention(probs, visible)
+
+
+def per_token_attention(probs: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """(B, Hkv, g, m, N) window probabilities, (B, m, N) visibility -> (B, Hkv, N) the paper's
+    per-token attention (:func:`window_attention`)."""
     seen_by = visible.sum(1).clamp(min=1)  # (B, N)
     per_token = probs.sum(3) / seen_by[:, None, None, :]  # (B, Hkv, g, N)
     return per_token.mean(2)

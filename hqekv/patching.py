@@ -13,7 +13,7 @@ from typing import Any, Sequence
 import torch
 
 from .cache import HqeKVCache
-from .config import DEFAULTS, HqeKVConfig, TierRatios, check_bavg, mean_bavg, uncalibrated_ratios
+from .config import DEFAULTS, HqeKVConfig, TierRatios, budget_config, check_bavg, mean_bavg, uncalibrated_ratios
 from .memory import OVER_BUDGET_WARNING, MemoryReport
 from .patches import PatchedAttention, attention_classes, sliding_windows
 
@@ -105,6 +105,12 @@ def resolve_config(model, bavg=None, ratios=None, artifact=None, key_ratios=None
     if layer_ratios is not None and ratios is None:
         raise ValueError("layer_ratios= needs ratios= (the shares they were split from); "
                          "an artifact carries its own layer ratios")  # fmt: skip
+    if isinstance(ratios, str):
+        if ratios != "auto":
+            raise ValueError(f"ratios must be tier shares or 'auto' (the rate-distortion allocator), got {ratios!r}")
+        if key_ratios is not None or layer_ratios is not None:
+            raise ValueError("ratios='auto' chooses tiers by itself: key_ratios= and layer_ratios= do not apply")
+        return budget_config(DEFAULT_BAVG if bavg is None else bavg, **settings)
     if ratios is not None:
         ratios = TierRatios.coerce(ratios)
         key_ratios = None if key_ratios is None else TierRatios.coerce(key_ratios)
@@ -181,7 +187,7 @@ def patch_model(
     model,
     bavg: float | None = None,
     *,
-    ratios: TierRatios | tuple | dict | None = None,
+    ratios: TierRatios | tuple | dict | str | None = None,
     key_ratios: TierRatios | tuple | dict | None = None,
     layer_ratios: Sequence[TierRatios | tuple | dict] | None = None,
     artifact: str | Path | None = None,
@@ -203,8 +209,11 @@ def patch_model(
     model : transformers causal LM of a supported architecture (``hqekv.SUPPORTED_MODEL_TYPES``)
     bavg : float, default 3.2
         Average code bits per element, in (0, 16]. 3.2 is near-lossless in the paper, 2.0 aggressive.
-    ratios : TierRatios, dict, (d4, d2, d1, d_evict) or (fp16, d4, d2, d1, d_evict), optional
-        Tier shares; if given with ``bavg`` they must satisfy SPEC eq. (6).
+    ratios : TierRatios, dict, (d4, d2, d1, d_evict), (fp16, d4, d2, d1, d_evict) or "auto", optional
+        Tier shares; if given with ``bavg`` they must satisfy SPEC eq. (6). ``"auto"``: no
+        shares and no calibration; every re-rank chooses each chunk's tiers within a budget
+        of ``bavg`` *real* bits per element (codes and metadata) by their expected damage to
+        attention (``allocation="rate-distortion"``, :mod:`hqekv.allocation`).
     key_ratios : same types, optional
         The keys' own tier shares (``ratios`` are then the values'); same evicted share,
         and ``bavg`` is the mean of the two budgets.

@@ -19,6 +19,11 @@
 - ``random:B``: the control of the importance metric: the tier counts of ``hqekv:B``
   (same ratios, same protected chunks), chunks assigned at random
   (``importance="random"``).
+- ``auto:B``: ``patch_model(model, B, ratios="auto")``: no ratios; every re-rank chooses
+  tiers within B *real* bits per element of chunk storage (codes and metadata) by their
+  expected damage to attention (:mod:`hqekv.allocation`).
+- ``fallback:B``: the documented uncalibrated fallback ratios (what a model without an
+  artifact got before ``auto``), even where an artifact exists.
 - ``quanto:B`` (B in 2, 4): the external anchor, transformers' ``QuantizedCache`` with
   the optimum-quanto backend at its defaults (groups of 64, a 128-token residual in the
   model dtype), on the unpatched model (``pip install optimum-quanto``).
@@ -34,9 +39,9 @@ import re
 import warnings
 from dataclasses import dataclass
 
-from ..config import TierRatios, check_bavg
+from ..config import TierRatios, check_bavg, uncalibrated_ratios
 
-KINDS = ("fp16", "kivi", "rkivi", "evict", "hqekv", "rhqekv", "random", "quanto", "paper", "rpaper")
+KINDS = ("fp16", "kivi", "rkivi", "evict", "hqekv", "rhqekv", "random", "quanto", "paper", "rpaper", "auto", "fallback")
 ONE_SET = ("paper", "rpaper")
 """Kinds that use the calibrated ratios as one set for every layer, without per-layer budgets."""
 KIVI_BITS = {4: "int4", 2: "int2", 1: "int1"}
@@ -67,6 +72,10 @@ class Method:
         if self.kind == "evict":
             keep = min(1.0, (self.bits + METADATA_BITS) / 16)
             return {"ratios": TierRatios(fp16=keep, evict=1 - keep), "eviction": "key", "rotation": None}
+        if self.kind == "auto":
+            return {"bavg": self.bits, "ratios": "auto"}
+        if self.kind == "fallback":
+            return {"bavg": self.bits, "ratios": uncalibrated_ratios(self.bits)}
         if self.kind == "random":
             return {"bavg": self.bits, "importance": "random"}
         if self.kind == "paper":
@@ -118,7 +127,7 @@ def parse_method(spec: str) -> Method:
     if not match or match.group(1) not in KINDS:
         raise ValueError(
             f"unknown method {spec!r}; use fp16, kivi:B or rkivi:B (B in 1, 2, 4), evict:B, hqekv:B, rhqekv:B, "
-            "random:B, quanto:B (B in 2, 4), paper:B or rpaper:B"
+            "random:B, quanto:B (B in 2, 4), paper:B, rpaper:B, auto:B or fallback:B"
         )
     kind, bits = match.group(1), match.group(2)
     if kind == "fp16":

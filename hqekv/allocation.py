@@ -1,0 +1,209 @@
+"""Tiers from a byte budget, without calibration: a rate-distortion choice per re-rank (beyond the paper).
+
+The paper fixes the share of chunks at each tier offline (SPEC §1.3, §1.5). Here every
+re-rank chooses, for each kept chunk, the tier of its keys and of its values (FP16, 4, 2,
+1 bit) or its eviction so that the layer's real bytes meet a budget and the expected damage
+to the attention output is smallest:
+
+1. :func:`distortions`: for the window queries (the last m, as importance uses), the
+   expected squared error of every query head's attention output that each choice causes,
+   from the *measured* quantization error of each chunk at each tier:
+
+   - a value error Δv moves the output by p·Δv: ``D_V = Σ_q p_q² ‖Δv‖²``;
+   - a key error Δk moves the logit by s·q·Δk and the output by p·s·(q·Δk)·(v − o):
+     ``D_K = Σ_q p_q² ‖v − o_q‖² s² Σ_d q_d² Δk_d²`` (quantization errors independent
+     across channels);
+   - evicting a chunk c that holds attention mass P_q moves the output by
+     ``(P_q o_q − Σ_{n∈c} p_qn v_n) / (1 − P_q)``: ``D_E`` is its squared norm.
+
+   Errors of different tokens add as independent (p² per token), while an eviction moves
+   the output coherently (P² per chunk): a chunk's worth of uniform attention costs G times
+   more to evict than to quantize with the same per-token error.
+2. :func:`allocate`: per row, one Lagrange multiplier λ prices a byte; each chunk takes the
+   choice of least ``D + λ·bytes`` (reverse water-filling over chunks, keys and values
+   apart), and λ is the smallest, found by bisection, whose choices fit the budget.
+
+Chunks only move down (a chunk already at 2 bits can stay or go lower; its error from
+staying is 0), and the chunks in the top ``protected`` under either importance metric are
+never evicted. Everything here is a pure function of tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import importance, quantization
+from .tiers import EVICTED, FP16, INT1, QUANTIZED_TIERS, TIERS
+
+BISECTION_STEPS = 48
+LAMBDA_RANGE = (-14.0, 14.0)
+"""log10 of the price of a byte the bisection searches, with distortions and bytes of a row
+normalized to at most 1."""
+
+
+def tier_error(
+    chunks: torch.Tensor, tier: int, component_is_key: bool, value_group: int, meta_dtype: torch.dtype
+) -> torch.Tensor:
+    """Squared error of each element of ``chunks`` stored at quantized ``tier``, as the cache stores it.
+
+    chunks (N, H, G, D) -> (N, H, G, D) float32: the quantizers of :mod:`hqekv.quantization`
+    with the cache's groups (keys per channel, values per token) and metadata dtype.
+    """
+    x = chunks.float()
+    spec = TIERS[tier]
+    grouped = quantization.key_groups(x) if component_is_key else quantization.value_groups(x, value_group)
+    codes, m0, m1 = quantization.quantize(grouped, spec.code_bits, spec.method, meta_dtype)
+    back = quantization.dequantize(codes, m0, m1, spec.code_bits, spec.method, torch.float32)
+    back = quantization.key_chunks(back) if component_is_key else quantization.value_chunks(back)
+    return (back - x).square()
+
+
+def distortions(
+    probs: torch.Tensor,
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    n_chunks: int,
+    chunk_size: int,
+    scaling: float,
+    value_group: int,
+    meta_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Expected squared attention-output error of each choice for each chunk (see the module doc).
+
+    probs (B, Hkv, g, m, N) float32 window probabilities (:func:`hqekv.importance.window_probabilities`);
+    queries (B, Hkv·g, m, D), keys, values (B, Hkv, N, D), the first ``n_chunks·chunk_size``
+    tokens being the chunks (the rest, the tail, is attended but not allocated).
+    -> d_k, d_v (B, C, 4) float32 for keys / values at FP16, 4, 2, 1 bit (FP16: 0), and
+    d_evict (B, C) float32. Sums over query heads and window queries.
+    """
+    b, hkv, g, m, n = probs.shape
+    c, gs = n_chunks, chunk_size
+    d = keys.shape[-1]
+    q = queries.float().reshape(b, hkv, g, m, d)
+    v = values.float()
+    p2 = probs.square()
+    out = torch.einsum("bhgmn,bhnd->bhgmd", probs, v)  # o_q: (B, Hkv, g, m, D)
+    # ‖v_n − o_q‖² for every query and token
+    spread = (
+        v.square().sum(-1)[:, :, None, None, :]
+        - 2 * torch.einsum("bhnd,bhgmd->bhgmn", v, out)
+        + out.square().sum(-1)[..., None]
+    ).clamp(min=0)
+    key_weight = torch.einsum("bhgmn,bhgmd->bhnd", p2 * spread, q.square()) * scaling**2  # (B, Hkv, N, D)
+    value_weight = p2.sum((2, 3))  # (B, Hkv, N)
+
+    def chunked(x: torch.Tensor) -> torch.Tensor:  # (B, Hkv, N, ...) -> (B, C, Hkv, G, ...)
+        return x[:, :, : c * gs].reshape(b, hkv, c, gs, *x.shape[3:]).transpose(1, 2)
+
+    k_chunks = chunked(keys).reshape(b * c, hkv, gs, d)
+    v_chunks = chunked(values).reshape(b * c, hkv, gs, d)
+    k_weight, v_weight = chunked(key_weight), chunked(value_weight)
+    d_k, d_v = keys.new_zeros(2, b, c, 4, dtype=torch.float32)
+    for t in QUANTIZED_TIERS:  # one tier at a time: the errors are as large as the cache
+        k_err = tier_error(k_chunks, t, True, value_group, meta_dtype).reshape(b, c, hkv, gs, d)
+        d_k[:, :, t] = (k_err * k_weight).sum((2, 3, 4))
+        v_err = tier_error(v_chunks, t, False, value_group, meta_dtype).reshape(b, c, hkv, gs, d)
+        d_v[:, :, t] = (v_err.sum(-1) * v_weight).sum((2, 3))
+
+    # eviction: (P_q o_q − Σ_{n∈c} p_qn v_n) / (1 − P_q) per query, chunk and head
+    p_chunks = probs[..., : c * gs].reshape(b, hkv, g, m, c, gs)
+    mass = p_chunks.sum(-1)  # (B, Hkv, g, m, C)
+    held = torch.einsum("bhgmcs,bhcsd->bhgmcd", p_chunks, v[:, :, : c * gs].reshape(b, hkv, c, gs, d))
+    shift = (mass[..., None] * out[:, :, :, :, None, :] - held).square().sum(-1)
+    d_evict = (shift / (1 - mass).clamp(min=1e-6).square()).sum((1, 2, 3))  # (B, C)
+    return d_k, d_v, d_evict
+
+
+def chunk_bytes(
+    heads: int, chunk_size: int, head_dim: int, value_group: int, fp_bytes: int, meta_bytes: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Real bytes of one chunk's keys and of its values at FP16, 4, 2, 1 bit: (4,), (4,) float64.
+
+    Codes are packed into int32 words along each group (:mod:`hqekv.packing`); every group
+    has a 2-element metadata pair. Keys: one group per channel over the chunk's tokens;
+    values: one group per token and ``value_group`` channels.
+    """
+    elements = heads * chunk_size * head_dim
+    key_groups, key_len = heads * head_dim, chunk_size
+    value_groups, value_len = heads * chunk_size * (head_dim // value_group), value_group
+    k, v = [float(elements * fp_bytes)], [float(elements * fp_bytes)]
+    for t in QUANTIZED_TIERS:
+        bits = TIERS[t].code_bits
+        for out, groups, length in ((k, key_groups, key_len), (v, value_groups, value_len)):
+            words = -(-length * bits // 32)
+            out.append(float(groups * (4 * words + 2 * meta_bytes)))
+    return torch.tensor(k, dtype=torch.float64), torch.tensor(v, dtype=torch.float64)
+
+
+def allocate(
+    d_k: torch.Tensor,
+    d_v: torch.Tensor,
+    d_evict: torch.Tensor,
+    bytes_k: torch.Tensor,
+    bytes_v: torch.Tensor,
+    k_tier: torch.Tensor,
+    v_tier: torch.Tensor,
+    evictable: torch.Tensor,
+    budget: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V tier of every chunk that minimise the distortion within ``budget`` bytes per row.
+
+    d_k, d_v (B, C, 4), d_evict (B, C) float: from :func:`distortions`; bytes_k, bytes_v (4,)
+    from :func:`chunk_bytes`; k_tier, v_tier (B, C) int64: current tiers (-1 or EVICTED where
+    no chunk; tiers only move down, and a chunk that keeps its tier adds no distortion);
+    evictable (B, C) bool; budget (B,) bytes for the chunks.
+    -> new k_tier, v_tier (B, C) int64, EVICTED at the same places in both.
+
+    One λ per row, by bisection on log λ: the smallest price of a byte whose choices fit the
+    budget. When even the cheapest choices do not fit (protected chunks at 1 bit), those are taken.
+    """
+    device = d_k.device
+    valid = (k_tier >= 0) & (k_tier != EVICTED)
+    tiers = torch.arange(4, device=device)
+    # normalize each row: distortions to at most 1, bytes to a chunk's FP16 keys + values
+    scale = torch.cat([d_k.flatten(1), d_v.flatten(1), d_evict], 1).masked_fill(
+        ~torch.cat([valid.repeat_interleave(4, 1)] * 2 + [valid], 1), 0
+    ).amax(1).clamp(min=1e-30)[:, None, None].double()
+    unit = float(bytes_k[FP16] + bytes_v[FP16])
+    dk, dv, de = d_k.double() / scale, d_v.double() / scale, d_evict.double() / scale[:, :, 0]
+    bk, bv = bytes_k.to(device) / unit, bytes_v.to(device) / unit
+    # a tier above the current one is not a choice (chunks only move down), and staying costs
+    # nothing: a chunk that keeps its tier keeps its codes
+    allowed_k = tiers[None, None, :] >= k_tier.clamp(0, INT1)[..., None]
+    allowed_v = tiers[None, None, :] >= v_tier.clamp(0, INT1)[..., None]
+    dk = dk.masked_fill(tiers[None, None, :] == k_tier[..., None], 0)
+    dv = dv.masked_fill(tiers[None, None, :] == v_tier[..., None], 0)
+    can_evict = evictable & valid
+    limit = budget.double() / unit
+
+    def choose(log_price: torch.Tensor):
+        price = torch.pow(10.0, log_price)[:, None, None]
+        cost_k = (dk + price * bk).masked_fill(~allowed_k, float("inf"))
+        cost_v = (dv + price * bv).masked_fill(~allowed_v, float("inf"))
+        best_k, tk = cost_k.min(-1)
+        best_v, tv = cost_v.min(-1)
+        evict = can_evict & (de < best_k + best_v)
+        used = torch.where(evict | ~valid, 0.0, bk[tk] + bv[tv]).sum(1)
+        return tk, tv, evict, used
+
+    lo = torch.full_like(limit, LAMBDA_RANGE[0])
+    hi = torch.full_like(limit, LAMBDA_RANGE[1])
+    for _ in range(BISECTION_STEPS):
+        mid = (lo + hi) / 2
+        fits = choose(mid)[3] <= limit
+        hi = torch.where(fits, mid, hi)
+        lo = torch.where(fits, lo, mid)
+    tk, tv, evict, _ = choose(hi)
+    gone = evict | ~valid
+    return tk.masked_fill(gone, EVICTED), tv.masked_fill(gone, EVICTED)
+
+
+def chunk_importance_scores(
+    probs: torch.Tensor, visible: torch.Tensor, values: torch.Tensor, n_chunks: int, chunk_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The paper's chunk scores (SPEC §1.2) from window probabilities: score_k, score_v (B, C)."""
+    weights = importance.per_token_attention(probs, visible)
+    metric_k, metric_v = importance.token_metrics(weights, values)
+    n = n_chunks * chunk_size
+    return importance.chunk_scores(metric_k[:, :n], chunk_size), importance.chunk_scores(metric_v[:, :n], chunk_size)

@@ -1,0 +1,223 @@
+"""The rate-distortion allocator (hqekv.allocation, ``ratios="auto"``)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+import hqekv
+from hqekv import allocation, importance
+from hqekv.pools import KEY, VALUE, encode_chunks
+from hqekv.tiers import EVICTED, FP16, INT1, INT2, INT4
+
+from .conftest import stored_bytes, tiny_llama
+
+
+@pytest.mark.parametrize("head_dim,value_group", [(64, 64), (16, 16), (96, 32)])
+@pytest.mark.parametrize("meta", [torch.float16, torch.float32])
+def test_chunk_bytes_are_the_bytes_a_pool_slot_holds(head_dim, value_group, meta):
+    heads, g = 3, 32
+    chunk = torch.randn(1, heads, g, head_dim)
+    bytes_k, bytes_v = allocation.chunk_bytes(heads, g, head_dim, value_group, 2, meta.itemsize)
+    assert bytes_k[FP16] == bytes_v[FP16] == chunk.numel() * 2
+    for t in (INT4, INT2, INT1):
+        for component, expected in ((KEY, bytes_k), (VALUE, bytes_v)):
+            pool = encode_chunks(chunk, t, component, value_group, meta)
+            assert expected[t] == sum(x.nbytes for x in pool.tensors()), (t, component)
+
+
+def test_tier_error_is_the_error_of_the_stored_chunk():
+    from hqekv.pools import decode_chunks
+
+    chunks = torch.randn(5, 2, 32, 64) * torch.linspace(0.1, 4, 64)
+    for t in (INT4, INT2, INT1):
+        for component in (KEY, VALUE):
+            back = decode_chunks(encode_chunks(chunks, t, component, 64, torch.float16), t, component, 32, 64, 64,
+                                 torch.float32)  # fmt: skip
+            measured = allocation.tier_error(chunks, t, component == KEY, 64, torch.float16)
+            torch.testing.assert_close(measured, (back - chunks).square(), rtol=1e-5, atol=1e-6)
+
+
+def random_state(seed=0, b=1, hkv=2, g=2, m=4, n=6 * 32, d=16):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, hkv * g, m, d, generator=gen)
+    k = torch.randn(b, hkv, n, d, generator=gen) * 2
+    v = torch.randn(b, hkv, n, d, generator=gen)
+    pos = torch.arange(n).expand(b, n)
+    qpos = torch.arange(n, n + m).expand(b, m)
+    ones_q, ones_k = torch.ones(b, m, dtype=torch.bool), torch.ones(b, n, dtype=torch.bool)
+    probs, visible = importance.window_probabilities(q, qpos, ones_q, k, pos, ones_k, d**-0.5)
+    return q, k, v, probs, visible
+
+
+def attention_out(q, k, v, scaling):
+    b, hkv, n, d = k.shape
+    qg = q.reshape(b, hkv, -1, q.shape[2], d)
+    p = torch.softmax(torch.einsum("bhgmd,bhnd->bhgmn", qg, k) * scaling, -1)
+    return torch.einsum("bhgmn,bhnd->bhgmd", p, v)
+
+
+def test_eviction_distortion_is_the_exact_change_of_the_window_outputs():
+    q, k, v, probs, _ = random_state()
+    s = 16**-0.5
+    _, _, d_evict = allocation.distortions(probs, q, k, v, 6, 32, s, 16, torch.float32)
+    full = attention_out(q, k, v, s)
+    for c in range(6):
+        keep = torch.ones(k.shape[2], dtype=torch.bool)
+        keep[c * 32 : (c + 1) * 32] = False
+        gone = attention_out(q, k[:, :, keep], v[:, :, keep], s)
+        torch.testing.assert_close(d_evict[0, c], (gone - full).square().sum(), rtol=1e-4, atol=1e-7)
+
+
+def test_value_distortion_of_one_token_chunks_is_the_exact_output_error_per_query():
+    # With chunks of one token and one window query, D_V is exactly ‖p·Δv‖² per query head.
+    q, k, v, probs, _ = random_state(m=1, n=8)
+    s = 16**-0.5
+    _, d_v, _ = allocation.distortions(probs, q, k, v, 8, 1, s, 16, torch.float32)
+    full = attention_out(q, k, v, s)
+    for tier in (INT4, INT2, INT1):
+        err = allocation.tier_error(v[0].transpose(0, 1)[:, :, None], tier, False, 16, torch.float32)
+        for c in range(8):
+            v_hat = v.clone()
+            v_hat[0, :, c] += err[c, :, 0].sqrt()  # an error of the measured size
+            moved = attention_out(q, k, v_hat, s)
+            torch.testing.assert_close(d_v[0, c, tier], (moved - full).square().sum(), rtol=1e-4, atol=1e-8)
+
+
+def test_distortions_grow_as_tiers_go_down_and_fp16_costs_nothing():
+    q, k, v, probs, _ = random_state(seed=1)
+    d_k, d_v, _ = allocation.distortions(probs, q, k, v, 6, 32, 16**-0.5, 16, torch.float16)
+    for d in (d_k, d_v):
+        assert (d[..., FP16] == 0).all()
+        assert (d[..., INT4] < d[..., INT2]).all() and (d[..., INT2] < d[..., INT1]).all()
+
+
+def brute_force(d_k, d_v, d_e, bytes_k, bytes_v, evictable):
+    """Every choice of every chunk: (distortion, bytes) of each assignment, and the assignments."""
+    c = d_k.shape[0]
+    options = [(tk, tv) for tk in range(4) for tv in range(4)] + [("E", "E")]
+    out = []
+    for combo in itertools.product(options, repeat=c):
+        dist, used = 0.0, 0.0
+        ok = True
+        for i, (tk, tv) in enumerate(combo):
+            if tk == "E":
+                ok &= bool(evictable[i])
+                dist += float(d_e[i])
+            else:
+                dist += float(d_k[i, tk] + d_v[i, tv])
+                used += float(bytes_k[tk] + bytes_v[tv])
+        if ok:
+            out.append((dist, used))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_allocation_is_optimal_for_the_bytes_it_uses(seed):
+    gen = torch.Generator().manual_seed(seed)
+    c = 4
+    d_k = torch.rand(1, c, 4, generator=gen, dtype=torch.float64).cumsum(-1)
+    d_v = torch.rand(1, c, 4, generator=gen, dtype=torch.float64).cumsum(-1)
+    d_k[..., FP16] = d_v[..., FP16] = 0
+    d_e = torch.rand(1, c, generator=gen, dtype=torch.float64) * 6
+    bytes_k, bytes_v = allocation.chunk_bytes(2, 32, 16, 16, 2, 2)
+    evictable = torch.tensor([[False, True, True, True]])
+    tiers = torch.zeros(1, c, dtype=torch.long)
+    all_assignments = brute_force(d_k[0], d_v[0], d_e[0], bytes_k, bytes_v, evictable[0])
+    for budget in (4000.0, 2500.0, 1200.0, 800.0):
+        k, v = allocation.allocate(d_k, d_v, d_e, bytes_k, bytes_v, tiers, tiers, evictable, torch.tensor([budget]))
+        kept = k[0] != EVICTED
+        used = float((bytes_k[k[0][kept]] + bytes_v[v[0][kept]]).sum())
+        dist = float(d_k[0][kept].gather(1, k[0][kept, None]).sum() + d_v[0][kept].gather(1, v[0][kept, None]).sum()
+                     + d_e[0][~kept].sum())  # fmt: skip
+        assert used <= budget
+        assert not (k[0] == EVICTED)[0]  # not evictable
+        assert torch.equal(k == EVICTED, v == EVICTED)
+        best = min(dist_ for dist_, used_ in all_assignments if used_ <= used)
+        assert dist <= best + 1e-9, (budget, dist, best)
+    # a budget below the cheapest choice of the chunk that cannot be evicted: that choice, the rest evicted.
+    # 16 values of 1 or 2 bits fill one int32 word alike, so the values take 2 bits for the same bytes.
+    k, v = allocation.allocate(d_k, d_v, d_e, bytes_k, bytes_v, tiers, tiers, evictable, torch.tensor([100.0]))
+    assert bytes_v[INT2] == bytes_v[INT1]
+    assert k.tolist() == [[INT1, EVICTED, EVICTED, EVICTED]] and v.tolist() == [[INT2, EVICTED, EVICTED, EVICTED]]
+
+
+def test_allocation_only_moves_tiers_down_and_spends_more_where_the_budget_is_larger():
+    gen = torch.Generator().manual_seed(0)
+    d_k = torch.rand(2, 10, 4, generator=gen).cumsum(-1)
+    d_v = torch.rand(2, 10, 4, generator=gen).cumsum(-1)
+    d_k[..., 0] = d_v[..., 0] = 0
+    d_e = torch.rand(2, 10, generator=gen) * 8
+    bytes_k, bytes_v = allocation.chunk_bytes(2, 32, 16, 16, 2, 2)
+    current = torch.tensor([[FP16, INT2, INT1, INT4, FP16, FP16, INT2, FP16, INT4, FP16]] * 2)
+    evictable = torch.ones(2, 10, dtype=torch.bool)
+    budget = torch.tensor([2500.0, 6000.0])
+    k, v = allocation.allocate(d_k, d_v, d_e, bytes_k, bytes_v, current, current, evictable, budget)
+    assert (k >= current).all() and (v >= current).all()
+    used = torch.where(k == EVICTED, 0.0, bytes_k[k.clamp(max=3)] + bytes_v[v.clamp(max=3)]).sum(1)
+    assert (used <= budget).all() and used[1] > used[0]
+    # with room for everything, nothing moves
+    k, v = allocation.allocate(d_k, d_v, d_e, bytes_k, bytes_v, current, current, evictable, torch.tensor([1e9, 1e9]))
+    assert torch.equal(k, current) and torch.equal(v, current)
+
+
+def chunk_bytes_of(layer) -> torch.Tensor:
+    """Bytes each row's chunks hold (codes, metadata, FP16 chunks), from its tables (B,)."""
+    g, h, d = layer.config.chunk_size, layer.num_kv_heads, layer.head_dim
+    pools = layer.pools
+    bytes_k, bytes_v = allocation.chunk_bytes(
+        h, g, d, layer.value_group, pools[KEY].fp.element_size(), pools[KEY].quantized[INT4].meta0.element_size()
+    )
+    table = layer.live_table()
+    kept = table.chunk_pos >= 0
+    return torch.where(kept, bytes_k[table.k_tier.clamp(0, 3)] + bytes_v[table.v_tier.clamp(0, 3)], 0.0).sum(1)
+
+
+@pytest.mark.parametrize("bavg", [0.5, 1.0, 2.0, 3.2, 6.0])
+def test_the_budget_holds_at_every_rerank_through_prefill_and_decode(bavg):
+    model = tiny_llama(layers=2)
+    hqekv.patch_model(model, bavg, ratios="auto")
+    ids = torch.randint(1, 128, (2, 1200), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, :150] = 0  # left padding over whole chunks
+    cache = hqekv.new_cache(model)
+    reranks = 0
+
+    def check(rows: torch.Tensor) -> None:
+        for layer in cache.hqekv_layers:
+            elements = layer.n_chunks * (2 * layer.num_kv_heads * 32 * layer.head_dim)
+            assert (chunk_bytes_of(layer) <= bavg / 8 * elements)[rows].all()
+
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, cache=cache)
+        check(torch.ones(2, dtype=torch.bool))  # the prefill re-ranks every row
+        token = out.logits[:, -1:].argmax(-1)
+        for _ in range(100):
+            before = cache.hqekv_layers[0].since_rerank.clone()
+            mask = torch.cat([mask, torch.ones_like(token)], 1)
+            out = model(input_ids=token, attention_mask=mask, cache=cache)
+            token = out.logits[:, -1:].argmax(-1)
+            reranked = cache.hqekv_layers[0].since_rerank <= before  # reset to 0, then this step's token
+            check(reranked)
+            reranks += int(reranked.sum())
+    assert reranks >= 4  # both rows re-ranked (at least) twice
+    report = cache.memory_report()
+    assert report.total_bytes == stored_bytes(cache)
+    counts = report.chunks
+    if bavg <= 1:
+        assert counts["evicted"] > 0
+    if bavg >= 6:
+        assert counts["k.fp16"] + counts["v.fp16"] > 0
+
+
+def test_auto_rejects_fixed_shares():
+    model = tiny_llama()
+    with pytest.raises(ValueError, match="chooses tiers by itself"):
+        hqekv.patch_model(model, 2.0, ratios="auto", key_ratios=(0.5, 0.5, 0, 0))
+    with pytest.raises(ValueError, match="'auto'"):
+        hqekv.patch_model(model, 2.0, ratios="automatic")
+    with pytest.raises(ValueError, match="importance must be 'attention'"):
+        hqekv.patch_model(model, 2.0, ratios="auto", importance="random")
+    assert not hqekv.is_patched(model)
