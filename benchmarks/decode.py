@@ -1,6 +1,6 @@
 """Decode tokens/s of HqeKV vs the FP16 DynamicCache through ``model.generate``, same process, on SmolLM2.
 
-    python benchmarks/decode.py [--lengths 2048 4096 8128] [--new-tokens 32] [--bavg 2 3.2]
+    python benchmarks/decode.py [--lengths 2048 4096 8128] [--new-tokens 32] [--bavg 2 3.2 auto:2.8]
                                 [--dtype float32] [--no-compile] [--repeats 3]
 
 Each run is one greedy ``model.generate`` call after a prompt of the given length; a logits
@@ -10,7 +10,9 @@ the best of ``--repeats`` passes over every configuration; 8128 prompt tokens ke
 SmolLM2's 8192 positions. Rows:
 
 - ``dynamic_cache``: the unpatched model, eager — the baseline of every ratio;
-- ``hqekv`` per bavg: the patched model, eager;
+- ``hqekv`` per bavg: the patched model, eager; ``auto:B`` is ``patch_model(model, B,
+  ratios="auto")``, the rate-distortion allocator (its re-ranks cost more: the seconds spent
+  re-ranking per re-rank of a layer, ``rerank_ms``, are reported for every bavg);
 - ``hqekv_compiled`` per bavg: ``generate(..., compile_config=CompileConfig(fullgraph=True))``,
   the decode step compiled by transformers as one whole graph (compiled once on a short
   prompt before timing; the compile time is reported apart);
@@ -69,9 +71,41 @@ def loop(model, ids, new_tokens):
 
 
 def patch(model, bavg):
+    """``bavg`` a number (shipped or fallback ratios) or ``"auto:B"`` (the rate-distortion allocator)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", hqekv.UncalibratedRatiosWarning)
-        hqekv.patch_model(model, bavg=bavg)
+        if str(bavg).startswith("auto:"):
+            hqekv.patch_model(model, bavg=float(bavg[5:]), ratios="auto")
+        else:
+            hqekv.patch_model(model, bavg=float(bavg))
+
+
+class RerankClock:
+    """Wall time of every decode-time ``HqeKVLayer.rerank`` call while installed (a layer
+    re-ranks its prefill before it holds tokens: those are not counted)."""
+
+    def __init__(self):
+        self.seconds: list[float] = []
+
+    def __enter__(self):
+        from hqekv.cache import HqeKVLayer
+
+        self.original = original = HqeKVLayer.rerank
+        clock = self
+
+        def timed(layer, rows):
+            start = time.perf_counter()
+            original(layer, rows)
+            if layer.has_tokens:
+                clock.seconds.append(time.perf_counter() - start)
+
+        HqeKVLayer.rerank = timed
+        return self
+
+    def __exit__(self, *exc):
+        from hqekv.cache import HqeKVLayer
+
+        HqeKVLayer.rerank = self.original
 
 
 def measure(model, prompts: dict, warm, bavgs, new_tokens: int, compiled: bool = True, with_loop: bool = False,
@@ -84,6 +118,7 @@ def measure(model, prompts: dict, warm, bavgs, new_tokens: int, compiled: bool =
     best: dict = {}
     tokens: dict = {}
     compile_s = {}
+    rerank_ms = {}
 
     def keep(cell, tps, out=None):
         best[cell] = max(best.get(cell, 0.0), tps)
@@ -102,7 +137,10 @@ def measure(model, prompts: dict, warm, bavgs, new_tokens: int, compiled: bool =
                 generate(model, warm, 8, compiled=True)  # compiles the decode step
                 compile_s.setdefault(str(bavg), time.perf_counter() - start)
             for n, ids in prompts.items():
-                keep(("eager", bavg, n), *generate(model, ids, new_tokens))
+                with RerankClock() as reranks:
+                    keep(("eager", bavg, n), *generate(model, ids, new_tokens))
+                if reranks.seconds:  # per layer
+                    rerank_ms[(bavg, n)] = min(rerank_ms.get((bavg, n), 1e9), 1000 * min(reranks.seconds))
                 if with_loop and bavg == bavgs[0]:
                     keep(("loop", n), loop(model, ids, new_tokens))
                 if compiled:
@@ -117,7 +155,8 @@ def measure(model, prompts: dict, warm, bavgs, new_tokens: int, compiled: bool =
         for bavg in bavgs:
             tps, out = best[("eager", bavg, n)], tokens[("eager", bavg, n)]
             row["hqekv"][str(bavg)] = {"decode_tokens_per_s": tps, "ratio": tps / base_tps,
-                                       "same_tokens_fraction": float((out == tokens[("dynamic", n)]).float().mean())}  # fmt: skip
+                                       "same_tokens_fraction": float((out == tokens[("dynamic", n)]).float().mean()),
+                                       "rerank_ms": rerank_ms.get((bavg, n))}  # fmt: skip
             if compiled:
                 ctps = best[("compiled", bavg, n)]
                 row["hqekv_compiled"][str(bavg)] = {
@@ -132,6 +171,8 @@ def measure(model, prompts: dict, warm, bavgs, new_tokens: int, compiled: bool =
         for bavg in bavgs:
             e = row["hqekv"][str(bavg)]
             text = f"bavg {bavg}: eager {e['decode_tokens_per_s']:.1f} ({e['ratio']:.2f}x)"
+            if e["rerank_ms"] is not None:
+                text += f" [re-rank {e['rerank_ms']:.1f} ms/layer]"
             if compiled:
                 c = row["hqekv_compiled"][str(bavg)]
                 text += f", compiled {c['decode_tokens_per_s']:.1f} ({c['ratio']:.2f}x)"
@@ -147,7 +188,8 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8128])
     parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--bavg", type=float, nargs="+", default=[2.0, 3.2])
+    parser.add_argument("--bavg", nargs="+", default=["2", "3.2"],
+                        help="bits per element: B (shipped or fallback ratios) or auto:B (ratios='auto')")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--no-compile", action="store_true", help="skip the compiled runs")
     parser.add_argument("--repeats", type=int, default=3, help="passes over every configuration, the best kept")

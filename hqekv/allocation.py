@@ -30,11 +30,23 @@ never evicted. Everything here is a pure function of tensors.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from . import importance, quantization
 from .tiers import EVICTED, FP16, INT1, QUANTIZED_TIERS, TIERS
 
+ERROR_MODEL = "retrieval"
+"""How :func:`distortions` weighs errors by attention: "retrieval" (the default) or "output"."""
+LAYER_SCALE = "energy"
+"""How the cache shares the budget between layers (:func:`share`): "energy" (the default),
+one price of a byte for distortions relative to each layer's window output energy; "off",
+every layer keeps ``bavg`` (an ablation)."""
+PROVISIONAL = 2.0
+"""A multi-token input first keeps each layer within this many times its budget share; right
+after the forward, the cache shares the model's budget between its layers
+(:func:`share`), moving chunks only down, so a layer can end with up to this share."""
 BISECTION_STEPS = 48
 LAMBDA_RANGE = (-14.0, 14.0)
 """log10 of the price of a byte the bisection searches, with distortions and bytes of a row
@@ -68,21 +80,23 @@ def distortions(
     scaling: float,
     value_group: int,
     meta_dtype: torch.dtype,
+    error_model: str = "retrieval",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Expected squared attention-output error of each choice for each chunk (see the module doc).
 
     probs (B, Hkv, g, m, N) float32 window probabilities (:func:`hqekv.importance.window_probabilities`);
     queries (B, Hkv·g, m, D), keys, values (B, Hkv, N, D), the first ``n_chunks·chunk_size``
     tokens being the chunks (the rest, the tail, is attended but not allocated).
-    -> d_k, d_v (B, C, 4) float32 for keys / values at FP16, 4, 2, 1 bit (FP16: 0), and
-    d_evict (B, C) float32. Sums over query heads and window queries.
+    -> d_k, d_v (B, C, 4) float32 for keys / values at FP16, 4, 2, 1 bit (FP16: 0),
+    d_evict (B, C) float32, and the energy (B,) of the window outputs, Σ‖o_q‖². Sums over
+    query heads and window queries.
     """
     b, hkv, g, m, n = probs.shape
     c, gs = n_chunks, chunk_size
     d = keys.shape[-1]
     q = queries.float().reshape(b, hkv, g, m, d)
     v = values.float()
-    p2 = probs.square()
+    p2 = probs.square() if error_model == "output" else probs
     out = torch.einsum("bhgmn,bhnd->bhgmd", probs, v)  # o_q: (B, Hkv, g, m, D)
     # ‖v_n − o_q‖² for every query and token
     spread = (
@@ -112,7 +126,9 @@ def distortions(
     held = torch.einsum("bhgmcs,bhcsd->bhgmcd", p_chunks, v[:, :, : c * gs].reshape(b, hkv, c, gs, d))
     shift = (mass[..., None] * out[:, :, :, :, None, :] - held).square().sum(-1)
     d_evict = (shift / (1 - mass).clamp(min=1e-6).square()).sum((1, 2, 3))  # (B, C)
-    return d_k, d_v, d_evict
+    if error_model == "retrieval":
+        d_evict = (probs * spread)[..., : c * gs].reshape(b, hkv, g, m, c, gs).sum((1, 2, 3, 5))
+    return d_k, d_v, d_evict, out.square().sum((1, 2, 3, 4))
 
 
 def chunk_bytes(
@@ -151,7 +167,8 @@ def allocate(
 
     d_k, d_v (B, C, 4), d_evict (B, C) float: from :func:`distortions`; bytes_k, bytes_v (4,)
     from :func:`chunk_bytes`; k_tier, v_tier (B, C) int64: current tiers (-1 or EVICTED where
-    no chunk; tiers only move down, and a chunk that keeps its tier adds no distortion);
+    no chunk); tiers only move down, and the distortion a chunk already has at its tier is
+    sunk: each choice costs what it adds to it;
     evictable (B, C) bool; budget (B,) bytes for the chunks.
     -> new k_tier, v_tier (B, C) int64, EVICTED at the same places in both.
 
@@ -172,8 +189,10 @@ def allocate(
     # nothing: a chunk that keeps its tier keeps its codes
     allowed_k = tiers[None, None, :] >= k_tier.clamp(0, INT1)[..., None]
     allowed_v = tiers[None, None, :] >= v_tier.clamp(0, INT1)[..., None]
-    dk = dk.masked_fill(tiers[None, None, :] == k_tier[..., None], 0)
-    dv = dv.masked_fill(tiers[None, None, :] == v_tier[..., None], 0)
+    cur_k, cur_v = k_tier.clamp(0, INT1)[..., None], v_tier.clamp(0, INT1)[..., None]
+    held_k, held_v = dk.gather(2, cur_k), dv.gather(2, cur_v)
+    dk, dv = (dk - held_k).clamp(min=0), (dv - held_v).clamp(min=0)
+    de = (de - held_k[..., 0] - held_v[..., 0]).clamp(min=0)
     can_evict = evictable & valid
     limit = budget.double() / unit
 
@@ -207,3 +226,66 @@ def chunk_importance_scores(
     metric_k, metric_v = importance.token_metrics(weights, values)
     n = n_chunks * chunk_size
     return importance.chunk_scores(metric_k[:, :n], chunk_size), importance.chunk_scores(metric_v[:, :n], chunk_size)
+
+
+@dataclass
+class LayerChoices:
+    """One layer's choices at a re-rank, kept until the cache shares the budget between layers.
+
+    d_k, d_v (B, C, 4), d_evict (B, C): :func:`distortions` of the chunks of the layer's
+    table (columns as in its live table); k_tier, v_tier (B, C): their tiers; evictable
+    (B, C) bool; budget (B,) bytes: the layer's share of the budget; energy (B,): the
+    squared norm of its window outputs, which makes distortions of layers comparable.
+    """
+
+    d_k: torch.Tensor
+    d_v: torch.Tensor
+    d_evict: torch.Tensor
+    k_tier: torch.Tensor
+    v_tier: torch.Tensor
+    evictable: torch.Tensor
+    budget: torch.Tensor
+    energy: torch.Tensor
+
+    def kept(self, keep: torch.Tensor, k_tier: torch.Tensor, v_tier: torch.Tensor) -> "LayerChoices":
+        """These choices after a move to ``k_tier``, ``v_tier`` (B, C) that kept the chunks
+        ``keep`` (B, C) bool, compacted to the left as the layer compacts its table."""
+        b, c = keep.shape
+        width = int(keep.sum(1).max()) if b else 0
+        rows, cols = keep.nonzero(as_tuple=True)
+        dest = (keep.long().cumsum(1) - 1)[rows, cols]
+
+        def compact(x: torch.Tensor, fill) -> torch.Tensor:
+            out = x.new_full((b, width, *x.shape[2:]), fill)
+            out[rows, dest] = x[rows, cols]
+            return out
+
+        return LayerChoices(
+            compact(self.d_k, 0), compact(self.d_v, 0), compact(self.d_evict, 0), compact(k_tier, -1),
+            compact(v_tier, -1), compact(self.evictable, False), self.budget, self.energy,
+        )  # fmt: skip
+
+
+def share(
+    layers: list[LayerChoices], bytes_k: torch.Tensor, bytes_v: torch.Tensor
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """K and V tiers of every layer's chunks under one budget for the model (per row).
+
+    Each layer's distortions are divided by its window output energy (an error relative to
+    what the layer's attention outputs), then one λ per row prices a byte in every layer:
+    budget moves to the layers where it lowers the error most. The budget is the sum of the
+    layers' ``budget``. -> [(k_tier, v_tier) (B, C_l)] in the order of ``layers``.
+    """
+    widths = [x.d_k.shape[1] for x in layers]
+    norm = [x.energy.clamp(min=1e-30)[:, None] for x in layers]
+    k, v = allocate(
+        torch.cat([x.d_k / n[..., None] for x, n in zip(layers, norm)], 1),
+        torch.cat([x.d_v / n[..., None] for x, n in zip(layers, norm)], 1),
+        torch.cat([x.d_evict / n for x, n in zip(layers, norm)], 1),
+        bytes_k, bytes_v,
+        torch.cat([x.k_tier for x in layers], 1),
+        torch.cat([x.v_tier for x in layers], 1),
+        torch.cat([x.evictable for x in layers], 1),
+        sum(x.budget for x in layers),
+    )  # fmt: skip
+    return list(zip(k.split(widths, 1), v.split(widths, 1)))

@@ -54,7 +54,7 @@ _ROW_PARTS = {
     "tables": ("chunk_pos", "k_tier", "k_slot", "v_tier", "v_slot"),
     "tail": ("tail_k", "tail_v", "tail_len"),
     "window": ("win_q", "win_pos", "win_valid"),
-    "counters": ("real_len", "n_chunks", "n_evicted", "since_rerank", "overrun"),
+    "counters": ("real_len", "n_chunks", "n_evicted", "since_rerank", "overrun", "budget_share"),
 }
 """The per-row tensors of a layer by the part of the memory report they count in; the one
 list that reordering rows, copying a layer and byte accounting all read."""
@@ -117,6 +117,9 @@ class HqeKVLayer(RowStateLayer):
         self.n_evicted = torch.zeros(b, **long)
         self.since_rerank = torch.full((b,), cfg.rerank_interval, **long)
         self.overrun = torch.zeros(b, dtype=torch.bool, device=self.device)  # a decode step found the tail full
+        # allocation="rate-distortion": each row's share of bavg in this layer (HqeKVCache.share_budget)
+        self.budget_share = torch.ones(b, dtype=torch.float64, device=self.device)
+        self.pending = None  # choices of a multi-token input's re-rank, until the cache shares the budget
         self.decoded = False  # decode steps wrote tail tokens that maintain() has not yet checked
         self.headroom = 0  # decode steps before any tail can be full, as of the last look at the tails
         self.is_initialized = True
@@ -260,7 +263,8 @@ class HqeKVLayer(RowStateLayer):
         in FP16 also the protected chunks and the chunks flushed since the last re-rank (a
         re-rank comes at the first flush ``rerank_interval`` tokens after the one before);
         two chunks of rounding per quantized tier (chunks only move down, so a tier can hold
-        a chunk or two beyond its count)."""
+        a chunk or two beyond its count). Under ``allocation="rate-distortion"`` there are no
+        shares: each tier's count is its share of the chunks now, scaled to that length."""
         cfg = self.config
         g = cfg.chunk_size
         n = -(-self.max_length // g)  # chunks of the longest row
@@ -269,6 +273,12 @@ class HqeKVLayer(RowStateLayer):
         counts = {VALUE: policy.tier_counts(rankable, cfg.ratios)[0].tolist()}
         counts[KEY] = policy.tier_counts(rankable, cfg.key_ratios)[0].tolist() if cfg.key_ratios else counts[VALUE]
         b = self.batch_size
+        if cfg.allocation == "rate-distortion":
+            # no shares to plan from: each tier keeps the share of the chunks it holds now
+            seen = max(int(self.n_chunks.max()), 1)
+            for component, tiers in ((KEY, self.k_tier), (VALUE, self.v_tier)):
+                held = [int(((self.chunk_pos >= 0) & (tiers == t)).sum()) for t in (FP16, *QUANTIZED_TIERS)]
+                counts[component] = [-(-h * n // (seen * b)) for h in held] + [n - -(-sum(held) * n // (seen * b))]
         slots = {
             c: {
                 FP16: b * (counts[c][FP16] + cfg.protected_chunks + flushed),
@@ -408,7 +418,7 @@ class HqeKVLayer(RowStateLayer):
         self.since_rerank = self.since_rerank + n_new
         due = chunk_ok.any(1) & (self.since_rerank >= self.config.rerank_interval)
         if bool(due.any()):
-            self.rerank(due)
+            self.rerank(due, provisional=True)
 
     def _add_fp16_chunks(self, fk: torch.Tensor, fv: torch.Tensor, ok: torch.Tensor) -> None:
         """Append new chunks (B, F, H, G, D) where ``ok`` (B, F) to the FP16 pools and chunk tables."""
@@ -461,13 +471,16 @@ class HqeKVLayer(RowStateLayer):
             )
         return keys, values, positions, valid
 
-    def budget_tiers(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Tiers chosen within the byte budget (``allocation="rate-distortion"``, :mod:`hqekv.allocation`).
+    def choices(self, provisional: bool = False) -> tuple[torch.Tensor, torch.Tensor, "allocation.LayerChoices"]:
+        """What the rate-distortion allocator chooses from (``allocation="rate-distortion"``,
+        :mod:`hqekv.allocation`).
 
-        -> keys, values (B, H, C·G + G, D) as :meth:`physical_cache` returns them, and the K and
-        V tier (B, C) of every chunk of :meth:`live_table` (EVICTED where evicted). The budget
-        of a row is ``bavg`` bits per element of all the chunks it has seen, evicted ones
-        included; the top ``protected_chunks`` under either importance metric are never evicted.
+        -> keys, values (B, H, C·G + G, D) as :meth:`physical_cache` returns them, and the
+        :class:`~hqekv.allocation.LayerChoices` of every chunk of :meth:`live_table`. The
+        budget of a row is its share of ``bavg`` bits per element of all the chunks it has
+        seen, evicted ones included (``provisional``: :data:`~hqekv.allocation.PROVISIONAL`
+        times that); the top ``protected_chunks`` under either importance metric are never
+        evicted.
         """
         cfg, g = self.config, self.config.chunk_size
         keys, values, positions, valid = self._finite_physical_cache()
@@ -481,18 +494,21 @@ class HqeKVLayer(RowStateLayer):
         evictable = chunks
         for scores in (score_k, score_v):
             evictable = evictable & (policy.descending_rank(scores, chunks) >= cfg.protected_chunks)
-        d_k, d_v, d_evict = allocation.distortions(
-            probs, self.win_q, keys, values, c, g, self.scaling, self.value_group, self.meta_dtype
-        )
-        bytes_k, bytes_v = allocation.chunk_bytes(
-            self.num_kv_heads, g, self.head_dim, self.value_group,
+        d_k, d_v, d_evict, energy = allocation.distortions(
+            probs, self.win_q, keys, values, c, g, self.scaling, self.value_group, self.meta_dtype,
+            allocation.ERROR_MODEL,
+        )  # fmt: skip
+        bits = cfg.bavg * self.budget_share * (allocation.PROVISIONAL if provisional else 1.0)
+        budget = self.n_chunks.double() * bits / 8 * (2 * self.num_kv_heads * g * self.head_dim)
+        found = allocation.LayerChoices(d_k, d_v, d_evict, table.k_tier, table.v_tier, evictable, budget, energy)
+        return keys, values, found
+
+    def chunk_bytes(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Real bytes of one chunk's keys and of its values at each kept tier (:func:`hqekv.allocation.chunk_bytes`)."""
+        return allocation.chunk_bytes(
+            self.num_kv_heads, self.config.chunk_size, self.head_dim, self.value_group,
             self.pools[KEY].fp.element_size(), self.pools[KEY].quantized[QUANTIZED_TIERS[0]].meta0.element_size(),
         )  # fmt: skip
-        budget = self.n_chunks.double() * (cfg.bavg / 8 * 2 * self.num_kv_heads * g * self.head_dim)
-        new_k, new_v = allocation.allocate(
-            d_k, d_v, d_evict, bytes_k, bytes_v, table.k_tier, table.v_tier, evictable, budget
-        )
-        return keys, values, new_k, new_v
 
     def copy(self, chunks: bool = True) -> "HqeKVLayer":
         """An independent copy of this layer's state (calibration scores trials from one prefill).
@@ -526,34 +542,56 @@ class HqeKVLayer(RowStateLayer):
                 own[:, : new.shape[1]] = new
         self._mark_for_compile()
 
-    def rerank(self, rows: torch.Tensor) -> None:
+    def rerank(self, rows: torch.Tensor, provisional: bool = False) -> None:
         """Re-rank the chunks of ``rows`` (B,) bool and move them down the tiers (SPEC §1.4).
 
         Importance comes from the window queries over the current cache; chunks only move
         downward (FP16 → 4 → 2 → 1 → evicted), re-quantized from their dequantized values.
+        Under ``allocation="rate-distortion"``, ``provisional`` (a multi-token input) keeps
+        the layer within :data:`~hqekv.allocation.PROVISIONAL` times its budget and leaves its
+        choices in ``pending`` for :meth:`HqeKVCache.share_budget`.
         """
-        g = self.config.chunk_size
         table = self.live_table()
-        b, c = table.chunk_pos.shape
         cfg = self.config
         if cfg.allocation == "rate-distortion":
-            keys, values, prop_k, prop_v = self.budget_tiers()
+            keys, values, found = self.choices(provisional)
+            prop_k, prop_v = allocation.allocate(
+                found.d_k, found.d_v, found.d_evict, *self.chunk_bytes(), found.k_tier, found.v_tier,
+                found.evictable, found.budget,
+            )  # fmt: skip
         else:
             keys, values, score_k, score_v = self.chunk_importance()
             prop_k, prop_v = rerank.propose(
                 cfg, score_k, score_v, table, self.n_chunks, self.n_evicted, cfg.ratios, cfg.key_ratios
             )
         here = rows[:, None] & (table.chunk_pos >= 0)
-        new_k = torch.where(here, torch.maximum(table.k_tier, prop_k), table.k_tier)
-        new_v = torch.where(here, torch.maximum(table.v_tier, prop_v), table.v_tier)
-        evicted = here & (prop_k == EVICTED)
+        new_k = torch.where(here, prop_k, table.k_tier)
+        new_v = torch.where(here, prop_v, table.v_tier)
+        self.apply_tiers(table, new_k, new_v, keys, values)
+        self.since_rerank.masked_fill_(rows, 0)
+        if provisional and cfg.allocation == "rate-distortion":
+            new_k, new_v = torch.maximum(table.k_tier, new_k), torch.maximum(table.v_tier, new_v)
+            kept = (table.chunk_pos >= 0) & (new_k != EVICTED)
+            found.budget = found.budget / allocation.PROVISIONAL
+            self.pending = found.kept(kept, new_k, new_v)
+
+    def apply_tiers(self, table: ChunkTable, new_k: torch.Tensor, new_v: torch.Tensor, keys=None, values=None) -> None:
+        """Move the chunks of ``table`` (this layer's live table) to ``new_k``, ``new_v`` (B, C),
+        each at its tier or below, re-quantized from their dequantized values ``keys``,
+        ``values`` (as :meth:`physical_cache` returns them; read when not given)."""
+        g = self.config.chunk_size
+        b, c = table.chunk_pos.shape
+        if keys is None:
+            keys, values, _, _ = self.physical_cache()
+        new_k = torch.maximum(table.k_tier, new_k)
+        new_v = torch.maximum(table.v_tier, new_v)
+        evicted = (table.chunk_pos >= 0) & (new_k == EVICTED)
         dense = {
             component: x[:, :, : c * g].reshape(b, self.num_kv_heads, c, g, self.head_dim).transpose(1, 2)
             for component, x in ((KEY, keys), (VALUE, values))
         }
         self.set_chunks(*rerank.rebuild(table, self.pools, new_k, new_v, dense, self.value_group, self.meta_dtype))
         self.n_evicted += evicted.sum(1)
-        self.since_rerank.masked_fill_(rows, 0)
 
     # --- accounting ----------------------------------------------------------------------------
 
@@ -660,8 +698,38 @@ class HqeKVCache(Cache):
         before each decode step; without it a full tail cannot take the next token, and the
         layer answers NaN for that row and raises at the next call.
         """
+        self.share_budget()
         for layer in self.layers:
             layer.maintain()
+
+    @torch.compiler.disable
+    def share_budget(self) -> None:
+        """Share the model's budget between the layers after a multi-token input
+        (``allocation="rate-distortion"``, :func:`hqekv.allocation.share`); eager.
+
+        Each layer re-ranked that input within twice its share and left its choices; one
+        price of a byte per row then decides every layer's chunks, so bytes move to the
+        layers where they lower the relative output error most, and each layer keeps the
+        share it ends with for its decode re-ranks. A no-op when no layer has choices left.
+        """
+        layers = [layer for layer in self.hqekv_layers if layer.is_initialized and layer.pending is not None]
+        if not layers:
+            return
+        choices = [layer.pending for layer in layers]
+        if allocation.LAYER_SCALE == "off":
+            tiers = [allocation.share([found], *layers[0].chunk_bytes())[0] for found in choices]
+        else:
+            tiers = allocation.share(choices, *layers[0].chunk_bytes())
+        for layer, found, (k, v) in zip(layers, choices, tiers):
+            layer.pending = None
+            with torch.no_grad():
+                layer.apply_tiers(layer.live_table(), k, v)
+            bytes_k, bytes_v = layer.chunk_bytes()
+            table = layer.live_table()
+            held = torch.where(table.chunk_pos >= 0, bytes_k[table.k_tier.clamp(0, 3)] + bytes_v[table.v_tier.clamp(0, 3)], 0.0)
+            share = held.sum(1) / (found.budget / layer.budget_share).clamp(min=1e-30)
+            layer.budget_share.copy_(torch.where(found.budget > 0, share, layer.budget_share))
+            layer._mark_for_compile()
 
     def advance(self, n_new: int) -> None:
         """Count ``n_new`` more tokens in the logical length of every layer, after a forward (traceable)."""

@@ -367,6 +367,8 @@ class _DecoderForward:
             out = type(self.decoder).forward(self.decoder, **arguments)
         if cache is not None:
             cache.advance(n_new)
+            if not torch.compiler.is_compiling():
+                cache.share_budget()  # the budget between layers, after a multi-token input
         return out
 
     def arguments(self, args, kwargs) -> tuple[dict, HqeKVCache | None]:
@@ -540,12 +542,14 @@ def _warn_over_budget(record: _PatchRecord, report: MemoryReport) -> None:
     """Warn once per patched model when fixed costs push the stored bits far past the request."""
     if report.over_budget > OVER_BUDGET_WARNING and not record.warned_over_budget:
         record.warned_over_budget = True
+        cfg = record.config
+        fixed = f"the FP16 tail of up to {cfg.chunk_size} tokens"
+        if cfg.allocation == "ratios":  # the allocator counts protected chunks in its budget
+            fixed = f"the {cfg.protected_chunks} protected FP16 chunks per layer and {fixed}"
         warnings.warn(
             f"hqekv: this request stored {report.compressed_bavg:.2f} code bits per element against the requested "
-            f"bavg {report.requested_bavg:g}: at {report.chunks.get('real_tokens', 0)} tokens the "
-            f"{record.config.protected_chunks} protected FP16 chunks per layer and the FP16 tail of up to "
-            f"{record.config.chunk_size} tokens dominate. Compression pays off on longer inputs "
-            "(see hqekv.memory_report)",
+            f"bavg {report.requested_bavg:g}: at {report.chunks.get('real_tokens', 0)} tokens {fixed} "
+            "dominate. Compression pays off on longer inputs (see hqekv.memory_report)",
             UserWarning,
             stacklevel=3,
         )

@@ -62,7 +62,7 @@ def attention_out(q, k, v, scaling):
 def test_eviction_distortion_is_the_exact_change_of_the_window_outputs():
     q, k, v, probs, _ = random_state()
     s = 16**-0.5
-    _, _, d_evict = allocation.distortions(probs, q, k, v, 6, 32, s, 16, torch.float32)
+    _, _, d_evict, _ = allocation.distortions(probs, q, k, v, 6, 32, s, 16, torch.float32, "output")
     full = attention_out(q, k, v, s)
     for c in range(6):
         keep = torch.ones(k.shape[2], dtype=torch.bool)
@@ -71,11 +71,20 @@ def test_eviction_distortion_is_the_exact_change_of_the_window_outputs():
         torch.testing.assert_close(d_evict[0, c], (gone - full).square().sum(), rtol=1e-4, atol=1e-7)
 
 
+def test_retrieval_eviction_distortion_is_the_attention_weighted_spread_of_the_chunk():
+    q, k, v, probs, _ = random_state()
+    _, _, d_evict, _ = allocation.distortions(probs, q, k, v, 6, 32, 16**-0.5, 16, torch.float32)
+    out = attention_out(q, k, v, 16**-0.5)  # (B, Hkv, g, m, D)
+    spread = (v[:, :, None, None] - out[..., None, :]).square().sum(-1)  # (B, Hkv, g, m, N)
+    expected = (probs * spread).reshape(*probs.shape[:4], 6, 32).sum((1, 2, 3, 5))
+    torch.testing.assert_close(d_evict, expected, rtol=1e-4, atol=1e-7)
+
+
 def test_value_distortion_of_one_token_chunks_is_the_exact_output_error_per_query():
     # With chunks of one token and one window query, D_V is exactly ‖p·Δv‖² per query head.
     q, k, v, probs, _ = random_state(m=1, n=8)
     s = 16**-0.5
-    _, d_v, _ = allocation.distortions(probs, q, k, v, 8, 1, s, 16, torch.float32)
+    _, d_v, _, _ = allocation.distortions(probs, q, k, v, 8, 1, s, 16, torch.float32, "output")
     full = attention_out(q, k, v, s)
     for tier in (INT4, INT2, INT1):
         err = allocation.tier_error(v[0].transpose(0, 1)[:, :, None], tier, False, 16, torch.float32)
@@ -88,7 +97,7 @@ def test_value_distortion_of_one_token_chunks_is_the_exact_output_error_per_quer
 
 def test_distortions_grow_as_tiers_go_down_and_fp16_costs_nothing():
     q, k, v, probs, _ = random_state(seed=1)
-    d_k, d_v, _ = allocation.distortions(probs, q, k, v, 6, 32, 16**-0.5, 16, torch.float16)
+    d_k, d_v, _, _ = allocation.distortions(probs, q, k, v, 6, 32, 16**-0.5, 16, torch.float16)
     for d in (d_k, d_v):
         assert (d[..., FP16] == 0).all()
         assert (d[..., INT4] < d[..., INT2]).all() and (d[..., INT2] < d[..., INT1]).all()
@@ -149,7 +158,7 @@ def test_allocation_only_moves_tiers_down_and_spends_more_where_the_budget_is_la
     d_k = torch.rand(2, 10, 4, generator=gen).cumsum(-1)
     d_v = torch.rand(2, 10, 4, generator=gen).cumsum(-1)
     d_k[..., 0] = d_v[..., 0] = 0
-    d_e = torch.rand(2, 10, generator=gen) * 8
+    d_e = d_k[..., INT1] + d_v[..., INT1] + torch.rand(2, 10, generator=gen)  # evicting loses more than 1 bit
     bytes_k, bytes_v = allocation.chunk_bytes(2, 32, 16, 16, 2, 2)
     current = torch.tensor([[FP16, INT2, INT1, INT4, FP16, FP16, INT2, FP16, INT4, FP16]] * 2)
     evictable = torch.ones(2, 10, dtype=torch.bool)
@@ -161,6 +170,42 @@ def test_allocation_only_moves_tiers_down_and_spends_more_where_the_budget_is_la
     # with room for everything, nothing moves
     k, v = allocation.allocate(d_k, d_v, d_e, bytes_k, bytes_v, current, current, evictable, torch.tensor([1e9, 1e9]))
     assert torch.equal(k, current) and torch.equal(v, current)
+
+
+def test_sharing_moves_bytes_to_the_layer_whose_relative_error_they_lower_most():
+    bytes_k, bytes_v = allocation.chunk_bytes(2, 32, 16, 16, 2, 2)
+    gen = torch.Generator().manual_seed(3)
+
+    def layer(scale: float) -> allocation.LayerChoices:
+        d = torch.rand(1, 8, 4, generator=gen, dtype=torch.float64).cumsum(-1) * scale
+        d[..., FP16] = 0
+        tiers = torch.zeros(1, 8, dtype=torch.long)
+        return allocation.LayerChoices(d, d.clone(), d[..., INT1] * 4, tiers, tiers, torch.ones(1, 8, dtype=torch.bool),
+                                       torch.tensor([3000.0], dtype=torch.float64), torch.tensor([scale]))  # fmt: skip
+
+    # the same errors relative to their output energy: an even split
+    (k0, v0), (k1, v1) = allocation.share([layer(1.0), layer(1.0)], bytes_k, bytes_v)
+    # the second layer's errors 100x larger against the same energy: it gets more of the 6000 bytes
+    first, second = layer(1.0), layer(100.0)
+    second.energy = first.energy.clone()
+    (a_k, a_v), (b_k, b_v) = allocation.share([first, second], bytes_k, bytes_v)
+
+    def held(k, v):
+        return float(torch.where(k == EVICTED, 0.0, bytes_k[k.clamp(max=3)] + bytes_v[v.clamp(max=3)]).sum())
+
+    assert held(a_k, a_v) + held(b_k, b_v) <= 6000
+    assert held(b_k, b_v) > held(a_k, a_v)
+
+
+def test_choices_kept_compact_like_the_table():
+    d = torch.arange(2 * 4 * 4, dtype=torch.float32).reshape(2, 4, 4)
+    tiers = torch.tensor([[0, 1, 4, 2], [4, 4, 0, -1]])
+    found = allocation.LayerChoices(d, d, d[..., 0], tiers, tiers, tiers >= 0, torch.ones(2), torch.ones(2))
+    kept = (tiers >= 0) & (tiers != EVICTED)
+    out = found.kept(kept, tiers, tiers)
+    assert out.k_tier.tolist() == [[0, 1, 2], [0, -1, -1]]
+    assert torch.equal(out.d_k[0], d[0, [0, 1, 3]]) and torch.equal(out.d_k[1, 0], d[1, 2])
+    assert out.evictable.tolist() == [[True, True, True], [True, False, False]]
 
 
 def chunk_bytes_of(layer) -> torch.Tensor:
@@ -177,7 +222,7 @@ def chunk_bytes_of(layer) -> torch.Tensor:
 
 @pytest.mark.parametrize("bavg", [0.5, 1.0, 2.0, 3.2, 6.0])
 def test_the_budget_holds_at_every_rerank_through_prefill_and_decode(bavg):
-    model = tiny_llama(layers=2)
+    model = tiny_llama(layers=3)
     hqekv.patch_model(model, bavg, ratios="auto")
     ids = torch.randint(1, 128, (2, 1200), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
@@ -186,9 +231,17 @@ def test_the_budget_holds_at_every_rerank_through_prefill_and_decode(bavg):
     reranks = 0
 
     def check(rows: torch.Tensor) -> None:
+        # each layer within its share of the budget, the shares within the model's budget
+        total = torch.zeros(2, dtype=torch.float64)
         for layer in cache.hqekv_layers:
             elements = layer.n_chunks * (2 * layer.num_kv_heads * 32 * layer.head_dim)
-            assert (chunk_bytes_of(layer) <= bavg / 8 * elements)[rows].all()
+            assert (chunk_bytes_of(layer) <= layer.budget_share * bavg / 8 * elements + 1e-6)[rows].all()
+            assert layer.pending is None
+            total += bavg / 8 * elements
+        used = sum(chunk_bytes_of(layer) for layer in cache.hqekv_layers)
+        assert (used <= total + 1e-6)[rows].all()
+        shares = torch.stack([layer.budget_share for layer in cache.hqekv_layers])
+        assert (shares.mean(0) <= 1 + 1e-9).all() and (shares <= hqekv.allocation.PROVISIONAL + 1e-9).all()
 
     with torch.no_grad():
         out = model(input_ids=ids, attention_mask=mask, cache=cache)

@@ -146,9 +146,10 @@ def test_fullgraph_compiled_decode_over_a_static_cache_is_one_graph():
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
-def test_generate_makes_its_cache_static_when_it_compiles_the_decode_step():
+@pytest.mark.parametrize("ratios", [MIXED, "auto"])
+def test_generate_makes_its_cache_static_when_it_compiles_the_decode_step(ratios):
     model = tiny_llama().to(DEVICE)
-    hqekv.patch_model(model, ratios=MIXED)
+    hqekv.patch_model(model, 1.5 if ratios == "auto" else None, ratios=ratios)
     ids = torch.randint(1, 128, (2, 40), generator=torch.Generator().manual_seed(3)).to(DEVICE)
     mask = torch.ones_like(ids)
     mask[0, :5] = 0
