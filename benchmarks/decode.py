@@ -93,9 +93,9 @@ class RerankClock:
         self.original = original = HqeKVLayer.rerank
         clock = self
 
-        def timed(layer, rows):
+        def timed(layer, rows, **kwargs):
             start = time.perf_counter()
-            original(layer, rows)
+            original(layer, rows, **kwargs)
             if layer.has_tokens:
                 clock.seconds.append(time.perf_counter() - start)
 

@@ -1,31 +1,38 @@
-"""Tiers from a byte budget, without calibration: a rate-distortion choice per re-rank (beyond the paper).
+"""Tiers from a byte budget, without calibration: a rate-distortion choice at every re-rank (beyond the paper).
 
-The paper fixes the share of chunks at each tier offline (SPEC §1.3, §1.5). Here every
-re-rank chooses, for each kept chunk, the tier of its keys and of its values (FP16, 4, 2,
-1 bit) or its eviction so that the layer's real bytes meet a budget and the expected damage
-to the attention output is smallest:
+The paper fixes the share of chunks at each tier offline (SPEC §1.3, §1.5). Here
+(``patch_model(model, bavg, ratios="auto")``, ``HqeKVConfig.allocation="rate-distortion"``)
+every re-rank chooses, for each kept chunk, the tier of its keys and of its values (FP16, 4,
+2, 1 bit) or its eviction, so that the real bytes of the chunks (codes and metadata) stay
+within ``bavg`` bits per element and the expected damage to attention is smallest:
 
-1. :func:`distortions`: for the window queries (the last m, as importance uses), the
-   expected squared error of every query head's attention output that each choice causes,
-   from the *measured* quantization error of each chunk at each tier:
+1. :func:`distortions`: the *measured* quantization error of each chunk at each tier (the
+   cache's own quantizers on its own values, :func:`tier_error`), weighted by the attention
+   of the window queries (the last m, as importance uses). The default, "retrieval" error
+   model, reads attention as where a future query looks: a query that looks at token n
+   (probability p_n) gets that token's error, so
 
-   - a value error Δv moves the output by p·Δv: ``D_V = Σ_q p_q² ‖Δv‖²``;
-   - a key error Δk moves the logit by s·q·Δk and the output by p·s·(q·Δk)·(v − o):
-     ``D_K = Σ_q p_q² ‖v − o_q‖² s² Σ_d q_d² Δk_d²`` (quantization errors independent
-     across channels);
-   - evicting a chunk c that holds attention mass P_q moves the output by
-     ``(P_q o_q − Σ_{n∈c} p_qn v_n) / (1 − P_q)``: ``D_E`` is its squared norm.
+   - values: ``D_V = Σ_q p_qn ‖Δv_n‖²``;
+   - keys: a logit error s·q·Δk moves the output by about p·s·(q·Δk)·(v − o):
+     ``D_K = Σ_q p_qn ‖v_n − o_q‖² s² Σ_d q_d² Δk_nd²`` (errors independent across channels);
+   - eviction loses the token: ``D_E = Σ_q Σ_{n∈c} p_qn ‖v_n − o_q‖²``.
 
-   Errors of different tokens add as independent (p² per token), while an eviction moves
-   the output coherently (P² per chunk): a chunk's worth of uniform attention costs G times
-   more to evict than to quantize with the same per-token error.
+   The "output" model (``ERROR_MODEL``) is the exact first-order error of the window
+   queries' outputs instead (p² per token, the coherent ``(P o − Σ p v)/(1 − P)`` of an
+   eviction): on development text it concentrated bytes on the few chunks the window looks
+   at and lost to "retrieval" (docs/results.md).
 2. :func:`allocate`: per row, one Lagrange multiplier λ prices a byte; each chunk takes the
    choice of least ``D + λ·bytes`` (reverse water-filling over chunks, keys and values
    apart), and λ is the smallest, found by bisection, whose choices fit the budget.
+3. :func:`share`: one budget for the model. After a multi-token input (a prompt, a chunk of
+   one) each layer has re-ranked within :data:`PROVISIONAL` times its share and left its
+   choices (:class:`LayerChoices`); the cache then prices a byte once for all layers, with
+   each layer's distortions relative to its window output energy, and each layer keeps the
+   share it ends with for its decode re-ranks.
 
-Chunks only move down (a chunk already at 2 bits can stay or go lower; its error from
-staying is 0), and the chunks in the top ``protected`` under either importance metric are
-never evicted. Everything here is a pure function of tensors.
+Chunks only move down (a chunk already at 2 bits can stay or go lower; what it lost is
+sunk), and the chunks in the top ``protected`` under either importance metric are never
+evicted. Everything here is a pure function of tensors.
 """
 
 from __future__ import annotations

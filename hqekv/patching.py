@@ -13,7 +13,7 @@ from typing import Any, Sequence
 import torch
 
 from .cache import HqeKVCache
-from .config import DEFAULTS, HqeKVConfig, TierRatios, budget_config, check_bavg, mean_bavg, uncalibrated_ratios
+from .config import DEFAULTS, HqeKVConfig, TierRatios, budget_config, check_bavg, mean_bavg
 from .memory import OVER_BUDGET_WARNING, MemoryReport
 from .patches import PatchedAttention, attention_classes, sliding_windows
 
@@ -22,7 +22,7 @@ _RECORD = "_hqekv_patch"
 
 
 class UncalibratedRatiosWarning(UserWarning):
-    """No calibrated ratios exist for this model and bavg; the documented fallback is used."""
+    """No calibrated ratios exist for this model and bavg; the rate-distortion allocator is used."""
 
 
 class _RequestState(threading.local):
@@ -93,7 +93,7 @@ def resolve_config(model, bavg=None, ratios=None, artifact=None, key_ratios=None
                    **settings) -> HqeKVConfig:  # fmt: skip
     """Ratios in order (SPEC §2): explicit ``ratios`` (and ``key_ratios`` or ``layer_ratios``); ``artifact`` (file,
     directory or Hub repo id); an artifact shipped in the package for this model and bavg;
-    else the documented uncalibrated fallback, with an :class:`UncalibratedRatiosWarning`."""
+    else the rate-distortion allocator (``ratios="auto"``), with an :class:`UncalibratedRatiosWarning`."""
     from . import artifacts
 
     if bavg is not None:
@@ -135,15 +135,15 @@ def resolve_config(model, bavg=None, ratios=None, artifact=None, key_ratios=None
             ratios=shipped.ratios, key_ratios=shipped.key_ratios, layer_ratios=shipped.layer_ratios, bavg=bavg,
             ratios_source=f"shipped:{shipped.path.name}", **settings,
         )
-    ratios = uncalibrated_ratios(bavg)
     name = getattr(model.config, "_name_or_path", "") or model.config.model_type
     warnings.warn(
-        f"hqekv: no calibrated ratios for {name!r} at bavg={bavg:g}; using the uncalibrated fallback "
-        f"({ratios.describe()}). Pass ratios=... or artifact=..., or run `hqekv calibrate`, for best quality.",
+        f"hqekv: no calibrated ratios for {name!r} at bavg={bavg:g}; the rate-distortion allocator chooses the "
+        f"tiers (ratios='auto': {bavg:g} real bits per element of chunk storage, metadata included). Pass "
+        "artifact=... (`hqekv calibrate`) or ratios=... to use calibrated or fixed shares.",
         UncalibratedRatiosWarning,
         stacklevel=3,
     )
-    return HqeKVConfig(ratios=ratios, bavg=bavg, ratios_source="uncalibrated", **settings)
+    return budget_config(bavg, **settings)
 
 
 def _decoder(model) -> torch.nn.Module:
@@ -229,7 +229,8 @@ def patch_model(
         files in a directory are skipped with a warning.
 
     Without ``ratios`` and ``artifact``, the artifact shipped in the package for this model
-    and bavg is used; if there is none, the uncalibrated fallback, with a warning.
+    and bavg is used; if there is none, the rate-distortion allocator (as ``ratios="auto"``),
+    with an :class:`UncalibratedRatiosWarning`.
     chunk_size, window, rerank_interval, protected_chunks, eviction, value_group, metadata_dtype, fp_dtype, rotation,
     importance
         See :class:`hqekv.HqeKVConfig`.

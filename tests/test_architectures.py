@@ -64,9 +64,9 @@ def test_budgets_rerank_and_every_byte_is_reported(family, bavg):
 
     original = HqeKVLayer.rerank
 
-    def counting(self, rows):
+    def counting(self, rows, **kwargs):
         layers.append(self.layer_idx)
-        original(self, rows)
+        original(self, rows, **kwargs)
 
     HqeKVLayer.rerank = counting
     try:

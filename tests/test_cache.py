@@ -42,9 +42,9 @@ def _watch_reranks(cache):
     for layer in cache.layers:
         original = layer.rerank
 
-        def rerank(rows, layer=layer, original=original):
+        def rerank(rows, layer=layer, original=original, **kwargs):
             before = (layer.chunk_pos.clone(), layer.k_tier.clone(), layer.v_tier.clone())
-            original(rows)
+            original(rows, **kwargs)
             history.append((before, (layer.chunk_pos.clone(), layer.k_tier.clone(), layer.v_tier.clone())))
 
         layer.rerank = rerank
@@ -246,9 +246,11 @@ def test_runtime_errors(tiny):
             tiny(prompt(64))
 
 
-def test_uncalibrated_fallback_warns(tiny):
-    with pytest.warns(hqekv.UncalibratedRatiosWarning, match="uncalibrated fallback"):
+def test_without_calibrated_ratios_the_allocator_runs_and_warns(tiny):
+    with pytest.warns(hqekv.UncalibratedRatiosWarning, match="rate-distortion allocator"):
         hqekv.patch_model(tiny, bavg=2.0, value_group=16)
+    config = hqekv.patch_config(tiny)
+    assert config.allocation == "rate-distortion" and config.bavg == 2.0
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         hqekv.unpatch_model(tiny)

@@ -23,6 +23,7 @@ FORBIDDEN = {
     "tail": {"cache", "rerank", "attention", "pools", "kernels", "patches", "patching", "calibration", "eval"},
     "window": {"cache", "rerank", "attention", "pools", "kernels", "patches", "patching", "calibration", "eval"},
     "memory": {"cache", "sliding", "kernels", "patches", "patching", "calibration", "eval"},
+    "allocation": {"cache", "rerank", "attention", "pools", "kernels", "patches", "patching", "calibration", "eval"},
     "cache": {"patches", "patching", "calibration", "eval", "kernels"},
     "sliding": {"patches", "patching", "calibration", "eval"},
     "patches": {"patching", "calibration", "eval", "cli"},
