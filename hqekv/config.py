@@ -156,7 +156,9 @@ def budget_config(bavg: float, **settings) -> "HqeKVConfig":
 
 
 def uncalibrated_ratios(bavg: float) -> TierRatios:
-    """Documented fallback when no calibrated artifact exists for a model and bavg.
+    """Fixed shares that reach ``bavg`` without calibration (the fallback before the
+    rate-distortion allocator took its place; still used to size a static cache's first
+    reserve under ``allocation="rate-distortion"``).
 
     Uses the fewest tiers that reach ``bavg`` exactly, preferring quantization over
     eviction: (4, 16] FP16 + 4-bit; [2, 4] 4-bit + 2-bit; [1, 2) 2-bit + 1-bit;

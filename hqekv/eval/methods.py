@@ -10,7 +10,7 @@
   share is ``(B + METADATA_BITS) / 16``, what ``kivi:B`` costs with its 16-bit scale and
   zero per group.
 - ``hqekv:B``: ``patch_model(model, B)``: calibrated ratios when an artifact fits,
-  else the documented uncalibrated fallback (the result records which).
+  else the rate-distortion allocator at B real bits (the result records which).
 - ``paper:B``: the paper's setting: the calibrated ratios of ``hqekv:B`` as one set for
   every layer (without an artifact's per-layer budgets), no rotation; ``rpaper:B`` the same,
   rotated. ``rhqekv:B``: ``hqekv:B`` with the Hadamard
@@ -22,8 +22,8 @@
 - ``auto:B``: ``patch_model(model, B, ratios="auto")``: no ratios; every re-rank chooses
   tiers within B *real* bits per element of chunk storage (codes and metadata) by their
   expected damage to attention (:mod:`hqekv.allocation`).
-- ``fallback:B``: the documented uncalibrated fallback ratios (what a model without an
-  artifact got before ``auto``), even where an artifact exists.
+- ``fallback:B``: the fixed shares of :func:`hqekv.uncalibrated_ratios` (what a model
+  without an artifact got before the allocator), even where an artifact exists.
 - ``quanto:B`` (B in 2, 4): the external anchor, transformers' ``QuantizedCache`` with
   the optimum-quanto backend at its defaults (groups of 64, a 128-token residual in the
   model dtype), on the unpatched model (``pip install optimum-quanto``).
