@@ -13,7 +13,7 @@ from typing import Any, Sequence
 import torch
 
 from .cache import HqeKVCache
-from .config import DEFAULTS, HqeKVConfig, TierRatios, budget_config, check_bavg, mean_bavg
+from .config import DEFAULTS, FP16_RATIOS, MAX_BAVG, HqeKVConfig, TierRatios, budget_config, check_bavg, mean_bavg
 from .memory import OVER_BUDGET_WARNING, MemoryReport
 from .patches import PatchedAttention, attention_classes, sliding_windows
 
@@ -135,6 +135,8 @@ def resolve_config(model, bavg=None, ratios=None, artifact=None, key_ratios=None
             ratios=shipped.ratios, key_ratios=shipped.key_ratios, layer_ratios=shipped.layer_ratios, bavg=bavg,
             ratios_source=f"shipped:{shipped.path.name}", **settings,
         )
+    if bavg >= MAX_BAVG:  # 16 bits: nothing to allocate, every chunk stays full precision
+        return HqeKVConfig(ratios=FP16_RATIOS, bavg=bavg, ratios_source="full precision", **settings)
     name = getattr(model.config, "_name_or_path", "") or model.config.model_type
     warnings.warn(
         f"hqekv: no calibrated ratios for {name!r} at bavg={bavg:g}; the rate-distortion allocator chooses the "
@@ -230,7 +232,7 @@ def patch_model(
 
     Without ``ratios`` and ``artifact``, the artifact shipped in the package for this model
     and bavg is used; if there is none, the rate-distortion allocator (as ``ratios="auto"``),
-    with an :class:`UncalibratedRatiosWarning`.
+    with an :class:`UncalibratedRatiosWarning` (at bavg 16, every chunk full precision).
     chunk_size, window, rerank_interval, protected_chunks, eviction, value_group, metadata_dtype, fp_dtype, rotation,
     importance
         See :class:`hqekv.HqeKVConfig`.
