@@ -193,6 +193,7 @@ def main():
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--no-compile", action="store_true", help="skip the compiled runs")
     parser.add_argument("--repeats", type=int, default=3, help="passes over every configuration, the best kept")
+    parser.add_argument("--out", help="results name (default: decode, or decode-<dtype>)")
     args = parser.parse_args()
     model, tok = load_smollm2()
     model = model.to(getattr(torch, args.dtype))
@@ -201,7 +202,7 @@ def main():
     prompts = {n: essay_ids(tok, n) for n in args.lengths}
     rows, compile_s = measure(model, prompts, warm, args.bavg, args.new_tokens, not args.no_compile, with_loop=True,
                               repeats=args.repeats)  # fmt: skip
-    save(f"decode-{args.dtype}" if args.dtype != "float32" else "decode", {
+    save(args.out or (f"decode-{args.dtype}" if args.dtype != "float32" else "decode"), {
         "model": "HuggingFaceTB/SmolLM2-135M-Instruct (GGUF Q4_1)", "device": "cpu", "dtype": args.dtype,
         "path": "fused C kernel for decode attention (hqekv/kernels/csrc), PyTorch reference for the prefill",
         "measured_through": "model.generate (greedy), eager and compile_config (fullgraph=True; a static cache)",
