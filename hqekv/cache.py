@@ -47,7 +47,7 @@ from .pools import KEY, VALUE, ComponentPools, grown
 from .rerank import ChunkTable
 from .rotation import rotate, rotation_matrix, unrotate
 from .sliding import SlidingWindowLayer
-from .tiers import EVICTED, FP16, QUANTIZED_TIERS, TIER_NAMES
+from .tiers import EVICTED, FP16, INT1, QUANTIZED_TIERS, TIER_NAMES
 
 
 _ROW_PARTS = {
@@ -510,6 +510,14 @@ class HqeKVLayer(RowStateLayer):
             self.pools[KEY].fp.element_size(), self.pools[KEY].quantized[QUANTIZED_TIERS[0]].meta0.element_size(),
         )  # fmt: skip
 
+    def chunk_storage_bytes(self) -> torch.Tensor:
+        """Real bytes each row's chunks hold at their tiers, codes and metadata (B,) float64:
+        what the rate-distortion budget counts."""
+        bytes_k, bytes_v = self.chunk_bytes()
+        table = self.live_table()
+        per_chunk = bytes_k[table.k_tier.clamp(0, INT1)] + bytes_v[table.v_tier.clamp(0, INT1)]
+        return torch.where(table.chunk_pos >= 0, per_chunk, 0.0).sum(1)
+
     def copy(self, chunks: bool = True) -> "HqeKVLayer":
         """An independent copy of this layer's state (calibration scores trials from one prefill).
 
@@ -723,13 +731,9 @@ class HqeKVCache(Cache):
         for layer, found, (k, v) in zip(layers, choices, tiers):
             layer.pending = None
             with torch.no_grad():
-                layer.apply_tiers(layer.live_table(), k, v)
-            bytes_k, bytes_v = layer.chunk_bytes()
-            table = layer.live_table()
-            held = torch.where(table.chunk_pos >= 0, bytes_k[table.k_tier.clamp(0, 3)] + bytes_v[table.v_tier.clamp(0, 3)], 0.0)
-            share = held.sum(1) / (found.budget / layer.budget_share).clamp(min=1e-30)
+                layer.apply_tiers(layer.live_table(), k, v)  # marks the new storage for compile
+            share = layer.chunk_storage_bytes() / (found.budget / layer.budget_share).clamp(min=1e-30)
             layer.budget_share.copy_(torch.where(found.budget > 0, share, layer.budget_share))
-            layer._mark_for_compile()
 
     def advance(self, n_new: int) -> None:
         """Count ``n_new`` more tokens in the logical length of every layer, after a forward (traceable)."""
