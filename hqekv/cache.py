@@ -34,6 +34,7 @@ graph; a tail that fills up becomes a chunk, and re-ranking happens, in
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import torch
@@ -498,10 +499,16 @@ class HqeKVLayer(RowStateLayer):
             probs, self.win_q, keys, values, c, g, self.scaling, self.value_group, self.meta_dtype,
             allocation.ERROR_MODEL,
         )  # fmt: skip
-        bits = cfg.bavg * self.budget_share * (allocation.PROVISIONAL if provisional else 1.0)
-        budget = self.n_chunks.double() * bits / 8 * (2 * self.num_kv_heads * g * self.head_dim)
+        budget = self.fair_budget() * self.budget_share * (allocation.PROVISIONAL if provisional else 1.0)
         found = allocation.LayerChoices(d_k, d_v, d_evict, table.k_tier, table.v_tier, evictable, budget, energy)
         return keys, values, found
+
+    def fair_budget(self) -> torch.Tensor:
+        """Bytes per row that ``bavg`` bits per element of every chunk the row has seen (evicted
+        ones included) come to (B,) float64: this layer's part of the model's budget when the
+        layers share it evenly."""
+        elements = 2 * self.num_kv_heads * self.config.chunk_size * self.head_dim
+        return self.n_chunks.double() * self.config.bavg / 8 * elements
 
     def chunk_bytes(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Real bytes of one chunk's keys and of its values at each kept tier (:func:`hqekv.allocation.chunk_bytes`)."""
@@ -580,7 +587,6 @@ class HqeKVLayer(RowStateLayer):
         if provisional and cfg.allocation == "rate-distortion":
             new_k, new_v = torch.maximum(table.k_tier, new_k), torch.maximum(table.v_tier, new_v)
             kept = (table.chunk_pos >= 0) & (new_k != EVICTED)
-            found.budget = found.budget / allocation.PROVISIONAL
             self.pending = found.kept(kept, new_k, new_v)
 
     def apply_tiers(self, table: ChunkTable, new_k: torch.Tensor, new_v: torch.Tensor, keys=None, values=None) -> None:
@@ -723,7 +729,8 @@ class HqeKVCache(Cache):
         layers = [layer for layer in self.hqekv_layers if layer.is_initialized and layer.pending is not None]
         if not layers:
             return
-        choices = [layer.pending for layer in layers]
+        # the model's budget is every layer's fair part, whatever shares the layers held before
+        choices = [dataclasses.replace(layer.pending, budget=layer.fair_budget()) for layer in layers]
         if allocation.LAYER_SCALE == "off":
             tiers = [allocation.share([found], *layers[0].chunk_bytes())[0] for found in choices]
         else:
@@ -732,7 +739,7 @@ class HqeKVCache(Cache):
             layer.pending = None
             with torch.no_grad():
                 layer.apply_tiers(layer.live_table(), k, v)  # marks the new storage for compile
-            share = layer.chunk_storage_bytes() / (found.budget / layer.budget_share).clamp(min=1e-30)
+            share = layer.chunk_storage_bytes() / found.budget.clamp(min=1e-30)
             layer.budget_share.copy_(torch.where(found.budget > 0, share, layer.budget_share))
 
     def advance(self, n_new: int) -> None:

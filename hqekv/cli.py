@@ -109,6 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--samples", type=int, default=4, help="samples per task (default %(default)s)")
     p.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048], help="prompt lengths in tokens")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prefill-chunk", type=int, metavar="C",
+                   help="feed each prompt in forwards of C tokens, as generate(prefill_chunk_size=C) does")  # fmt: skip
     p.add_argument("--out", required=True, help="directory for results.json, results.md and plots")
     p.add_argument(
         "--dtype", choices=DTYPES,
@@ -205,7 +207,7 @@ def run_evaluation(args, model, tokenizer, *, shard: tuple[int, int] = (0, 1), p
 
     return evaluate(
         model, tokenizer, args.methods, args.tasks, samples=args.samples, lengths=args.lengths, seed=args.seed,
-        shard=shard, progress=progress and not args.no_progress,
+        shard=shard, progress=progress and not args.no_progress, prefill_chunk=getattr(args, "prefill_chunk", None),
     )
 
 
@@ -232,6 +234,7 @@ def eval_settings(args, model_id: str, model) -> dict:
     argv = ["eval", "--model", args.model, *(["--gguf-file", args.gguf_file] if args.gguf_file else []),
             "--methods", *args.methods, "--tasks", *args.tasks, "--samples", str(args.samples),
             "--lengths", *map(str, args.lengths), "--seed", str(args.seed), "--out", str(args.out),
+            *(["--prefill-chunk", str(args.prefill_chunk)] if getattr(args, "prefill_chunk", None) else []),
             *(["--dtype", args.dtype] if getattr(args, "dtype", None) else [])]
     return {
         "model_id": model_id,
@@ -241,6 +244,7 @@ def eval_settings(args, model_id: str, model) -> dict:
         "samples": args.samples,
         "lengths": list(args.lengths),
         "seed": args.seed,
+        "prefill_chunk": getattr(args, "prefill_chunk", None),
         "library_version": __version__,
         "command": "hqekv " + " ".join(argv),
     }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import inspect
 import threading
 import warnings
@@ -298,6 +299,8 @@ def patch_model(
         record.replace(model, "prepare_inputs_for_generation", _PrepareInputs(model))
         record.replace(model, "generate", _Generate(model))
         record.replace(model, "create_masks_for_generate", _padding_mask_for_generate)
+        if hasattr(type(model), "_prefill"):
+            record.replace(model, "_prefill", _EagerPrefill(model))
     except BaseException:
         record.restore()
         raise
@@ -453,10 +456,6 @@ def _prepare_forward(wrapper: _DecoderForward, args, kwargs) -> tuple[dict, HqeK
         return arguments, None, 0
     n_new, batch, device = _check_inputs(model, arguments)
     valid = _input_valid(arguments.get("attention_mask"), n_new)
-    if valid is not None and not cache.holds_tokens:
-        empty_rows = (~valid.any(1)).nonzero().flatten().tolist()
-        if empty_rows:
-            raise ValueError(f"batch rows {empty_rows} are all padding: each prompt needs a real token")
     cache.input_valid = valid
     record = getattr(model, _RECORD, None)
     if record is not None:
@@ -515,6 +514,28 @@ class _PrepareInputs:
                 # a fixed-shape input, so a compiled step is not recompiled as the mask grows
                 inputs["attention_mask"] = mask[:, -ids.shape[1] :].contiguous()
         return inputs
+
+
+class _EagerPrefill:
+    """``_prefill``: the original, never through the compiled call.
+
+    With ``prefill_chunk_size`` and a compile config, ``generate`` runs every prompt chunk
+    through the compiled forward; storing a multi-token input in an HqeKV cache (flush,
+    re-rank, budget sharing) is an eager step, which breaks a ``fullgraph=True`` graph and
+    recompiles at every chunk otherwise. The chunks run eagerly, like a one-shot prefill;
+    the decode steps that follow still run the compiled call.
+    """
+
+    def __init__(self, model):
+        self.model = model
+        self.original = model.__dict__.get("_prefill")
+
+    def __call__(self, input_ids, generation_config, *args, **kwargs):
+        if generation_config.prefill_chunk_size is not None and not generation_config.disable_compile:
+            generation_config = copy.copy(generation_config)
+            generation_config.disable_compile = True  # read by _valid_auto_compile_criteria
+        prefill = self.original or type(self.model)._prefill.__get__(self.model)
+        return prefill(input_ids, generation_config, *args, **kwargs)
 
 
 def _check_cache_implementation(model, record: _PatchRecord, kwargs: dict) -> None:

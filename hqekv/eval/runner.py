@@ -77,11 +77,14 @@ def evaluate(
     seed: int = 0,
     shard: tuple[int, int] = (0, 1),
     progress: bool = True,
+    prefill_chunk: int | None = None,
 ) -> list[dict]:
     """Per-sample records of every method on every task (this shard's samples only).
 
     Samples are generated from ``seed`` and split round-robin: shard ``(rank, world)``
     runs samples ``rank, rank + world, ...``, so the shards of one run merge into it.
+    ``prefill_chunk``: every method reads each prompt in forwards of that many tokens, as
+    ``generate(prefill_chunk_size=...)`` does (a compressed cache compresses between them).
     """
     from tqdm.auto import tqdm
 
@@ -90,6 +93,8 @@ def evaluate(
     if is_patched(model):
         raise ValueError("evaluate an unpatched model: each method patches it for its own runs")
     methods = check_request(methods, tasks, samples, lengths)
+    if prefill_chunk is not None and prefill_chunk < 1:
+        raise ValueError(f"prefill_chunk={prefill_chunk}: a prompt chunk needs at least one token")
     rank, world = shard
     records = []
     for task_name in tasks:
@@ -98,7 +103,7 @@ def evaluate(
         for method in methods:
             with method.applied(model) as config:
                 for index, sample in tqdm(mine, desc=f"{task_name} {method.name}", disable=not progress):
-                    record, cache = task.run(model, tokenizer, sample, method.new_cache(model))
+                    record, cache = task.run(model, tokenizer, sample, method.new_cache(model), prefill_chunk)
                     record.update(cache_memory(cache))
                     del cache
                     record.update(
@@ -107,6 +112,7 @@ def evaluate(
                         index=index,
                         sample=sample.id,
                         prompt_tokens=int(sample.input_ids.shape[1]),
+                        prefill_chunk=prefill_chunk,
                         ratios_source=None if config is None else config.ratios_source,
                         ratios=None if config is None else config.describe_ratios(),
                         **sample.meta,

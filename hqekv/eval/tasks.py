@@ -46,18 +46,36 @@ def _first_cache(cache) -> dict:
     return {} if cache is None else {"cache": cache}
 
 
-def greedy_generate(model, input_ids: torch.Tensor, max_new_tokens: int, eos_token_id=None, cache=None):
+def prefill(model, input_ids: torch.Tensor, cache=None, chunk: int | None = None):
+    """The prompt (B, N) through the model into a cache, in one forward or in forwards of
+    ``chunk`` tokens (as ``generate(prefill_chunk_size=chunk)`` feeds it); only the last
+    position's logits are computed. ``cache``: an empty cache to use, else the model makes
+    its own. -> the last forward's output (``logits`` (B, 1, V) and the cache)."""
+    if chunk is not None and chunk < 1:
+        raise ValueError(f"prefill chunk of {chunk} tokens: it must be at least 1")
+    step = input_ids.shape[1] if chunk is None else chunk
+    kwargs = _first_cache(cache)
+    for start in range(0, input_ids.shape[1], step):
+        out = model(input_ids[:, start : start + step], use_cache=True, logits_to_keep=1, **kwargs)
+        kwargs = {"cache": output_cache(out)}
+    return out
+
+
+def greedy_generate(
+    model, input_ids: torch.Tensor, max_new_tokens: int, eos_token_id=None, cache=None, prefill_chunk=None
+):
     """Greedy decoding by hand, timing prefill and decode apart.
 
     input_ids (1, N) -> (new token ids (T,), prefill seconds, decode seconds, cache).
     Stops after ``max_new_tokens`` or at ``eos_token_id``. ``cache``: an empty cache to use
     (e.g. transformers' ``QuantizedCache``); by default the model makes its own.
+    ``prefill_chunk``: feed the prompt in forwards of that many tokens (:func:`prefill`).
     """
     device = next(model.parameters()).device
     with torch.no_grad():
         _sync()
         start = time.perf_counter()
-        out = model(input_ids.to(device), use_cache=True, logits_to_keep=1, **_first_cache(cache))
+        out = prefill(model, input_ids.to(device), cache, prefill_chunk)
         _sync()
         prefill_s = time.perf_counter() - start
         cache = output_cache(out)
@@ -73,12 +91,14 @@ def greedy_generate(model, input_ids: torch.Tensor, max_new_tokens: int, eos_tok
     return torch.cat(tokens, 1)[0], prefill_s, decode_s, cache
 
 
-def continuation_nll(model, context: torch.Tensor, continuation: torch.Tensor, step: int = 32, cache=None):
+def continuation_nll(
+    model, context: torch.Tensor, continuation: torch.Tensor, step: int = 32, cache=None, prefill_chunk=None
+):
     """Negative log-likelihood of ``continuation`` (1, L) after ``context`` (1, N) held in the cache.
 
     The continuation goes in ``step``-token forwards, so a compressed cache re-ranks between
     them as in decoding. -> (per-token NLL (L,) float32, prefill seconds, seconds of the
-    continuation forwards, cache). ``cache`` as in :func:`greedy_generate`.
+    continuation forwards, cache). ``cache`` and ``prefill_chunk`` as in :func:`greedy_generate`.
     """
     device = next(model.parameters()).device
     context, continuation = context.to(device), continuation.to(device)
@@ -86,7 +106,7 @@ def continuation_nll(model, context: torch.Tensor, continuation: torch.Tensor, s
     with torch.no_grad():
         _sync()
         start = time.perf_counter()
-        out = model(context, use_cache=True, logits_to_keep=1, **_first_cache(cache))
+        out = prefill(model, context, cache, prefill_chunk)
         _sync()
         prefill_s = time.perf_counter() - start
         cache = output_cache(out)
@@ -146,8 +166,9 @@ class Task:
     def samples(self, tokenizer, n: int, lengths: list[int], seed: int) -> list[Sample]:
         raise NotImplementedError
 
-    def run(self, model, tokenizer, sample: Sample, cache=None) -> tuple[dict, object]:
-        """-> (per-sample record with ``score`` and timings, cache); ``cache``: an empty one to use."""
+    def run(self, model, tokenizer, sample: Sample, cache=None, prefill_chunk=None) -> tuple[dict, object]:
+        """-> (per-sample record with ``score`` and timings, cache); ``cache``: an empty one to use;
+        ``prefill_chunk``: the prompt goes in forwards of that many tokens (:func:`prefill`)."""
         raise NotImplementedError
 
 
@@ -167,9 +188,9 @@ class NeedleTask(Task):
             out.append(Sample(f"needle-{i}", ids, [key], {"length": length, "depth": depth}))
         return out
 
-    def run(self, model, tokenizer, sample, cache=None):
+    def run(self, model, tokenizer, sample, cache=None, prefill_chunk=None):
         new, prefill_s, decode_s, cache = greedy_generate(
-            model, sample.input_ids, self.max_new_tokens, tokenizer.eos_token_id, cache
+            model, sample.input_ids, self.max_new_tokens, tokenizer.eos_token_id, cache, prefill_chunk
         )
         text = tokenizer.decode(new, skip_special_tokens=True)
         record = {"prediction": text, "score": float(sample.answers[0] in text)}
@@ -215,9 +236,9 @@ class SquadTask(Task):
             out.append(Sample(f"squad-{qa['id']}", ids, answers, {"length": length, "question": qa["question"]}))
         return out
 
-    def run(self, model, tokenizer, sample, cache=None):
+    def run(self, model, tokenizer, sample, cache=None, prefill_chunk=None):
         new, prefill_s, decode_s, cache = greedy_generate(
-            model, sample.input_ids, self.max_new_tokens, tokenizer.eos_token_id, cache
+            model, sample.input_ids, self.max_new_tokens, tokenizer.eos_token_id, cache, prefill_chunk
         )
         text = first_line(tokenizer.decode(new, skip_special_tokens=True))
         record = {
@@ -247,8 +268,10 @@ class PerplexityTask(Task):
             out.append(Sample(f"ppl-{i}", ids[:, :length], [], {"length": length}, ids[:, length:]))
         return out
 
-    def run(self, model, tokenizer, sample, cache=None):
-        nll, prefill_s, seconds, cache = continuation_nll(model, sample.input_ids, sample.continuation, cache=cache)
+    def run(self, model, tokenizer, sample, cache=None, prefill_chunk=None):
+        nll, prefill_s, seconds, cache = continuation_nll(
+            model, sample.input_ids, sample.continuation, cache=cache, prefill_chunk=prefill_chunk
+        )
         mean = float(nll.mean())
         record = {"nll": mean, "score": math.exp(mean)}
         return _timed(record, prefill_s, None, None), cache

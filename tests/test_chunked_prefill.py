@@ -1,0 +1,129 @@
+"""Chunked prefill through the compressed cache: ``generate(prefill_chunk_size=C)`` and a
+loop of one's own. Padding that spans whole chunks, compile, and the budget across chunks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounterWithBackend
+from transformers import CompileConfig
+
+import hqekv
+from hqekv.eval.tasks import prefill
+
+from .conftest import tiny_llama
+
+MIXED = hqekv.TierRatios(int4=0.3, int2=0.3, int1=0.2, evict=0.2)
+
+
+def generate(model, ids, mask=None, n=40, **kw):
+    with torch.no_grad():
+        return model.generate(
+            ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False, **kw
+        )[:, ids.shape[1] :]
+
+
+def prompt(n: int, seed: int = 0, batch: int = 1) -> torch.Tensor:
+    return torch.randint(1, 128, (batch, n), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("setting", [dict(ratios=MIXED), dict(bavg=2.0, ratios="auto")], ids=["ratios", "auto"])
+def test_left_padding_that_fills_whole_prompt_chunks_keeps_each_row_its_own_answer(setting):
+    """Row 1's first two 64-token prompt chunks are all padding: it is stored from the third
+    on, and answers exactly as it does alone with the same chunks (the unpatched model runs
+    such a batch; it used to be refused as "all padding")."""
+    model = tiny_llama()
+    hqekv.patch_model(model, value_group=16, **setting)
+    ids = prompt(300, batch=2)
+    mask = torch.ones_like(ids)
+    mask[1, :128] = 0
+    both = generate(model, ids, mask, prefill_chunk_size=64)
+    for row, start in ((0, 0), (1, 128)):
+        alone = generate(model, ids[row : row + 1, start:], prefill_chunk_size=64)
+        assert torch.equal(both[row], alone[0]), row
+
+
+def test_a_row_of_padding_alone_gets_the_unpatched_answer_at_full_precision():
+    """A row that is padding in every prompt chunk decodes from its own tokens, as unpatched."""
+    model = tiny_llama()
+    ids = prompt(200, batch=2)
+    mask = torch.ones_like(ids)
+    mask[1, :] = 0
+    unpatched = generate(model, ids, mask, n=8, prefill_chunk_size=64)
+    hqekv.patch_model(model, ratios=hqekv.config.FP16_RATIOS, fp_dtype="float32", metadata_dtype="float32")
+    assert torch.equal(generate(model, ids, mask, n=8, prefill_chunk_size=64), unpatched)
+
+
+def test_a_compile_config_with_prefill_chunks_runs_them_eagerly_and_compiles_the_decode_step_once():
+    """With a compile config ``generate`` sends every prompt chunk through the compiled call;
+    storing a chunk is an eager step, so under fullgraph=True that failed ("Skip calling
+    torch.compiler.disable()d function") and without it recompiled per chunk."""
+    model = tiny_llama()
+    hqekv.patch_model(model, ratios=MIXED, value_group=16)
+    ids = prompt(300, batch=2)
+    mask = torch.ones_like(ids)
+    mask[1, :100] = 0
+    eager = generate(model, ids, mask, n=70, prefill_chunk_size=64)
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("eager")
+    config = CompileConfig(backend=lambda gm, example_inputs: counter(gm, example_inputs), mode=None, fullgraph=True)
+    config._compile_all_devices = True  # transformers compiles on CUDA only unless told so
+    compiled = generate(model, ids, mask, n=70, prefill_chunk_size=64, compile_config=config)
+    assert torch.equal(compiled, eager)
+    assert counter.frame_count == 1
+
+
+def stored(model, ids, chunk):
+    cache = hqekv.new_cache(model)
+    with torch.no_grad():
+        prefill(model, ids, cache, chunk)
+    return cache.memory_report()
+
+
+@pytest.mark.parametrize(
+    "setting", [dict(ratios=MIXED), dict(bavg=2.0, ratios="auto"), dict(bavg=1.0, ratios="auto")],
+    ids=["ratios", "auto-2", "auto-1"],
+)  # fmt: skip
+def test_the_budget_holds_across_prefill_chunks(setting):
+    """The bytes after N prompt chunks are at most those of the same tokens compressed at once
+    (1% for rounding of tier counts and downgrades in another order), not one budget per chunk."""
+    model = tiny_llama(layers=3)
+    hqekv.patch_model(model, value_group=16, **setting)
+    ids = prompt(2048, seed=5)
+    once = stored(model, ids, None)
+    for chunk in (128, 512):
+        chunked = stored(model, ids, chunk)
+        assert chunked.chunks["real_tokens"] == once.chunks["real_tokens"]
+        assert chunked.total_bytes <= 1.01 * once.total_bytes, (chunk, chunked.total_bytes, once.total_bytes)
+
+
+def test_the_allocator_keeps_the_model_budget_after_every_prompt_chunk():
+    """Under ``ratios="auto"`` the chunks of all layers hold at most ``bavg`` bits per element
+    after every forward, once the protected chunks fit in it: a first chunk too small to meet
+    the budget must not leave the layers a larger budget for good."""
+    model = tiny_llama(layers=3)
+    hqekv.patch_model(model, value_group=16, bavg=1.0, ratios="auto")
+    ids = prompt(2048, seed=5)
+    cache = hqekv.new_cache(model)
+    with torch.no_grad():
+        for start in range(0, ids.shape[1], 128):
+            model(ids[:, start : start + 128], cache=cache)
+            held = sum(float(layer.chunk_storage_bytes().sum()) for layer in cache.hqekv_layers)
+            budget = sum(float(layer.fair_budget().sum()) for layer in cache.hqekv_layers)
+            if start >= 256:  # by then the protected chunks fit in the budget
+                assert held <= budget, (start, held, budget)
+
+
+def test_the_eval_prefill_feeds_a_prompt_in_chunks_like_generate():
+    """``hqekv eval --prefill-chunk C`` reads prompts through :func:`prefill`: on an unpatched
+    model the chunks give the one-shot logits; a chunk of no tokens is an error."""
+    model = tiny_llama()
+    ids = prompt(300)
+    with torch.no_grad():
+        once = prefill(model, ids)
+        chunked = prefill(model, ids, chunk=64)
+    assert chunked.logits.shape == once.logits.shape == (1, 1, 128)
+    assert chunked.cache.get_seq_length() == 300
+    torch.testing.assert_close(chunked.logits, once.logits, rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="at least 1"):
+        prefill(model, ids, chunk=0)
