@@ -77,6 +77,11 @@ def tier_error(
     return (back - x).square()
 
 
+TILE_CHUNKS = 64
+"""Chunks :func:`distortions` works on at a time: its transient memory is that of a tile
+(2048 tokens), not of the whole layer, however long the cache."""
+
+
 def distortions(
     probs: torch.Tensor,
     queries: torch.Tensor,
@@ -88,7 +93,8 @@ def distortions(
     value_group: int,
     meta_dtype: torch.dtype,
     error_model: str = "retrieval",
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    tile: int = TILE_CHUNKS,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Expected squared attention-output error of each choice for each chunk (see the module doc).
 
     probs (B, Hkv, g, m, N) float32 window probabilities (:func:`hqekv.importance.window_probabilities`);
@@ -96,45 +102,52 @@ def distortions(
     tokens being the chunks (the rest, the tail, is attended but not allocated).
     -> d_k, d_v (B, C, 4) float32 for keys / values at FP16, 4, 2, 1 bit (FP16: 0),
     d_evict (B, C) float32, and the energy (B,) of the window outputs, Σ‖o_q‖². Sums over
-    query heads and window queries.
+    query heads and window queries. Works on ``tile`` chunks at a time.
     """
     b, hkv, g, m, n = probs.shape
     c, gs = n_chunks, chunk_size
     d = keys.shape[-1]
-    q = queries.float().reshape(b, hkv, g, m, d)
-    v = values.float()
-    p2 = probs.square() if error_model == "output" else probs
-    out = torch.einsum("bhgmn,bhnd->bhgmd", probs, v)  # o_q: (B, Hkv, g, m, D)
-    # ‖v_n − o_q‖² for every query and token
-    spread = (
-        v.square().sum(-1)[:, :, None, None, :]
-        - 2 * torch.einsum("bhnd,bhgmd->bhgmn", v, out)
-        + out.square().sum(-1)[..., None]
-    ).clamp(min=0)
-    key_weight = torch.einsum("bhgmn,bhgmd->bhnd", p2 * spread, q.square()) * scaling**2  # (B, Hkv, N, D)
-    value_weight = p2.sum((2, 3))  # (B, Hkv, N)
-
-    def chunked(x: torch.Tensor) -> torch.Tensor:  # (B, Hkv, N, ...) -> (B, C, Hkv, G, ...)
-        return x[:, :, : c * gs].reshape(b, hkv, c, gs, *x.shape[3:]).transpose(1, 2)
-
-    k_chunks = chunked(keys).reshape(b * c, hkv, gs, d)
-    v_chunks = chunked(values).reshape(b * c, hkv, gs, d)
-    k_weight, v_weight = chunked(key_weight), chunked(value_weight)
+    q2 = queries.float().reshape(b, hkv, g, m, d).square()
+    step = tile * gs
+    out = sum(  # o_q: (B, Hkv, g, m, D)
+        torch.einsum("bhgmn,bhnd->bhgmd", probs[..., t : t + step], values[:, :, t : t + step].float())
+        for t in range(0, n, step)
+    )
+    out_sq = out.square().sum(-1)[..., None]
     d_k, d_v = keys.new_zeros(2, b, c, 4, dtype=torch.float32)
-    for t in QUANTIZED_TIERS:  # one tier at a time: the errors are as large as the cache
-        k_err = tier_error(k_chunks, t, True, value_group, meta_dtype).reshape(b, c, hkv, gs, d)
-        d_k[:, :, t] = (k_err * k_weight).sum((2, 3, 4))
-        v_err = tier_error(v_chunks, t, False, value_group, meta_dtype).reshape(b, c, hkv, gs, d)
-        d_v[:, :, t] = (v_err.sum(-1) * v_weight).sum((2, 3))
+    d_evict = keys.new_zeros(b, c, dtype=torch.float32)
+    for c0 in range(0, c, tile):
+        c1 = min(c0 + tile, c)
+        tokens = slice(c0 * gs, c1 * gs)
+        p, v = probs[..., tokens], values[:, :, tokens].float()
+        p2 = p.square() if error_model == "output" else p
+        # ‖v_n − o_q‖² for every query and token
+        spread = (v.square().sum(-1)[:, :, None, None, :] - 2 * torch.einsum("bhnd,bhgmd->bhgmn", v, out) + out_sq)
+        spread = spread.clamp(min=0)
+        key_weight = torch.einsum("bhgmn,bhgmd->bhnd", p2 * spread, q2) * scaling**2  # (B, Hkv, n, D)
+        value_weight = p2.sum((2, 3))  # (B, Hkv, n)
+        nc = c1 - c0
 
-    # eviction: (P_q o_q − Σ_{n∈c} p_qn v_n) / (1 − P_q) per query, chunk and head
-    p_chunks = probs[..., : c * gs].reshape(b, hkv, g, m, c, gs)
-    mass = p_chunks.sum(-1)  # (B, Hkv, g, m, C)
-    held = torch.einsum("bhgmcs,bhcsd->bhgmcd", p_chunks, v[:, :, : c * gs].reshape(b, hkv, c, gs, d))
-    shift = (mass[..., None] * out[:, :, :, :, None, :] - held).square().sum(-1)
-    d_evict = (shift / (1 - mass).clamp(min=1e-6).square()).sum((1, 2, 3))  # (B, C)
-    if error_model == "retrieval":
-        d_evict = (probs * spread)[..., : c * gs].reshape(b, hkv, g, m, c, gs).sum((1, 2, 3, 5))
+        def chunked(x: torch.Tensor) -> torch.Tensor:  # (B, Hkv, n, ...) -> (B, nc, Hkv, G, ...)
+            return x.reshape(b, hkv, nc, gs, *x.shape[3:]).transpose(1, 2)
+
+        k_chunks = chunked(keys[:, :, tokens]).reshape(b * nc, hkv, gs, d)
+        v_chunks = chunked(v).reshape(b * nc, hkv, gs, d)
+        k_weight, v_weight = chunked(key_weight), chunked(value_weight)
+        for t in QUANTIZED_TIERS:
+            k_err = tier_error(k_chunks, t, True, value_group, meta_dtype).reshape(b, nc, hkv, gs, d)
+            d_k[:, c0:c1, t] = (k_err * k_weight).sum((2, 3, 4))
+            v_err = tier_error(v_chunks, t, False, value_group, meta_dtype).reshape(b, nc, hkv, gs, d)
+            d_v[:, c0:c1, t] = (v_err.sum(-1) * v_weight).sum((2, 3))
+        p_chunks = p.reshape(b, hkv, g, m, nc, gs)
+        if error_model == "retrieval":
+            d_evict[:, c0:c1] = (p * spread).reshape(b, hkv, g, m, nc, gs).sum((1, 2, 3, 5))
+        else:
+            # (P_q o_q − Σ_{n∈c} p_qn v_n) / (1 − P_q) per query, chunk and head
+            mass = p_chunks.sum(-1)  # (B, Hkv, g, m, nc)
+            held = torch.einsum("bhgmcs,bhcsd->bhgmcd", p_chunks, v.reshape(b, hkv, nc, gs, d))
+            shift = (mass[..., None] * out[:, :, :, :, None, :] - held).square().sum(-1)
+            d_evict[:, c0:c1] = (shift / (1 - mass).clamp(min=1e-6).square()).sum((1, 2, 3))
     return d_k, d_v, d_evict, out.square().sum((1, 2, 3, 4))
 
 

@@ -274,3 +274,14 @@ def test_auto_rejects_fixed_shares():
     with pytest.raises(ValueError, match="importance must be 'attention'"):
         hqekv.patch_model(model, 2.0, ratios="auto", importance="random")
     assert not hqekv.is_patched(model)
+
+
+@pytest.mark.parametrize("error_model", ["retrieval", "output"])
+def test_distortions_in_tiles_of_chunks_are_those_of_the_whole_cache(error_model):
+    """Tiles bound the transient memory; the distortions do not depend on them."""
+    q, k, v, probs, _ = random_state(seed=2)
+    whole = allocation.distortions(probs, q, k, v, 6, 32, 16**-0.5, 16, torch.float32, error_model, tile=64)
+    for tile in (1, 4):
+        tiled = allocation.distortions(probs, q, k, v, 6, 32, 16**-0.5, 16, torch.float32, error_model, tile=tile)
+        for a, b in zip(tiled, whole):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-9)

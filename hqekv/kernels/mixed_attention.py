@@ -81,32 +81,33 @@ def gather_chunks(
     dtype: torch.dtype,
     tail: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Dequantize the chunks a table references into one buffer: (B, C) -> (B, H, C·G, D) ``dtype``.
-
-    Each tier's pool is dequantized whole (one pass per tier) into one slot buffer, then one
-    gather puts the chunks in table order. Empty entries are zeros. With ``tail`` (B, H, G, D),
+    """Dequantize the chunks a table references, and only those, into one buffer:
+    (B, C) -> (B, H, C·G, D) ``dtype``. Empty entries are zeros. With ``tail`` (B, H, G, D),
     each row's tail follows its chunks: -> (B, H, (C + 1)·G, D).
+
+    Per tier, the referenced slots are dequantized together and written in table order, so
+    the only buffer as large as the cache is the result.
     """
     fp = pools[0]
     b, c = tier.shape
     _, h, g, d = fp.shape
-    sizes = [fp.shape[0]] + [quantized_pool(pools, t)[0].shape[0] for t in QUANTIZED_TIERS]
-    n_tail = 0 if tail is None else b
-    every = fp.new_empty(sum(sizes) + n_tail + 1, h, g, d, dtype=dtype)  # + tails + one zero chunk
-    every[: sizes[0]] = fp
-    start = sizes[0]
-    for t, n in zip(QUANTIZED_TIERS, sizes[1:]):
-        bits, normalized = TIER_FORMATS[t]
-        every[start : start + n] = dequantize_reference(*quantized_pool(pools, t), bits, normalized, per_channel, group, g, d, dtype)
-        start += n
+    out = fp.new_zeros(b, h, c + (tail is not None), g, d, dtype=dtype)
+    for t in range(1 + len(QUANTIZED_TIERS)):
+        rows, cols = (tier == t).nonzero(as_tuple=True)
+        if not rows.numel():
+            continue
+        slots = slot[rows, cols]
+        if t == 0:
+            out[rows, :, cols] = fp[slots].to(dtype)
+        else:
+            codes, m0, m1 = quantized_pool(pools, t)
+            bits, normalized = TIER_FORMATS[t]
+            out[rows, :, cols] = dequantize_reference(
+                codes[slots], m0[slots], m1[slots], bits, normalized, per_channel, group, g, d, dtype
+            )
     if tail is not None:
-        every[start : start + b] = tail
-    every[-1] = 0
-    index = _global_slots(tier, slot, sizes, empty=every.shape[0] - 1)
-    if tail is not None:
-        index = torch.cat([index, start + torch.arange(b, device=tier.device)[:, None]], dim=1)
-    # (H, B, C', G, D) -> (B, H, C'·G, D): a view when B = 1
-    return every.transpose(0, 1)[:, index].transpose(0, 1).reshape(b, h, index.shape[1] * g, d)
+        out[:, :, c] = tail
+    return out.reshape(b, h, out.shape[2] * g, d)
 
 
 @functools.lru_cache(maxsize=None)
@@ -157,18 +158,86 @@ def mixed_attention_reference(
 
     - ``"pools"`` (one new token: decode): never builds a dequantized copy of the cache, see
       :func:`_pool_attention`;
-    - ``"dense"`` (several new tokens: prefill, calibration): dequantizes the cache into one
-      buffer, a cost the many queries share, then one SDPA call.
+    - ``"dense"`` (several new tokens: calibration; prefill off CPU): dequantizes the cache
+      into one buffer, a cost the many queries share, then one SDPA call;
+    - ``"tiles"`` (several new tokens on CPU: a prompt chunk): the same attention over
+      :data:`TILE_CHUNKS` chunks of the table at a time, each dequantized alone and merged by
+      log-sum-exp (:func:`_tiled_attention`), so that neither a dequantized copy of the
+      cache nor the scores of all queries against it ever exist whole.
     """
     check_args(query, key, value, new_valid, k_pools, v_pools, k_tier, k_slot, v_tier, v_slot, tail_k, tail_v, tail_len)
-    strategy = strategy or ("pools" if query.shape[2] == 1 else "dense")
+    if strategy is None:
+        strategy = "pools" if query.shape[2] == 1 else ("tiles" if query.device.type == "cpu" else "dense")
     args = (query, key, value, new_valid, k_pools, v_pools, k_tier, k_slot, v_tier, v_slot, tail_k, tail_v, tail_len,
             scaling, value_group)  # fmt: skip
     if strategy == "pools":
         return _pool_attention(*args)
     if strategy == "dense":
         return _dense_attention(*args)
-    raise ValueError(f"unknown strategy {strategy!r}; expected 'pools' or 'dense'")
+    if strategy == "tiles":
+        return _tiled_attention(*args)
+    raise ValueError(f"unknown strategy {strategy!r}; expected 'pools', 'dense' or 'tiles'")
+
+
+TILE_CHUNKS = 64
+"""Chunks of the table per tile of :func:`_tiled_attention` (2048 tokens at G = 32)."""
+
+
+def _block_attention(query, keys, values, visible, scaling) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of query (B, Hq, S, D) over one block of keys/values (B, Hkv, n, D) where
+    ``visible`` (B, S or 1, n) -> output (B, Hq, S, D) float32 and its log-sum-exp (B, Hq, S),
+    -inf for a query that sees nothing in the block."""
+    b, hq, s, _ = query.shape
+    group = hq // keys.shape[1]
+    if group > 1:
+        keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
+    mask = torch.zeros(visible.shape, dtype=query.dtype, device=query.device).masked_fill(~visible, float("-inf"))
+    mask = mask[:, None].expand(b, 1, s, visible.shape[-1])
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        query, keys, values, 0.0, False, attn_mask=mask, scale=scaling
+    )
+    sees = visible.any(-1)[:, None].expand(b, hq, s)
+    return out.float(), lse.masked_fill(~sees, float("-inf"))
+
+
+def _tiled_attention(
+    query, key, value, new_valid, k_pools, v_pools, k_tier, k_slot, v_tier, v_slot, tail_k, tail_v, tail_len,
+    scaling, value_group, tile: int = TILE_CHUNKS,
+) -> torch.Tensor:  # fmt: skip
+    """The attention of ``_dense_attention``, block by block: ``tile`` table entries at a time
+    (dequantized alone, :func:`gather_chunks`), then the tail with the new tokens (causal,
+    padding masked); each block's output is merged into a running one by log-sum-exp. The
+    scores of a block are tiled again inside the flash kernel; the largest transient is one
+    block's keys and values at the query heads."""
+    b, hq, s, _ = query.shape
+    g = tail_k.shape[2]
+    dtype = query.dtype
+    out = query.new_zeros(b, hq, s, query.shape[-1], dtype=torch.float32)
+    total = query.new_full((b, hq, s), float("-inf"), dtype=torch.float32)
+
+    def merge(block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
+        nonlocal out, total
+        new_total = torch.logaddexp(total, block_lse)
+        finite = torch.isfinite(new_total)
+        keep = torch.where(finite, torch.exp(total - new_total), 0.0)
+        take = torch.where(finite, torch.exp(block_lse - new_total), 0.0)
+        out = out * keep[..., None] + block_out * take[..., None]
+        total = new_total
+
+    for c0 in range(0, k_tier.shape[1], tile):
+        kt, ks, vt, vs = (t[:, c0 : c0 + tile] for t in (k_tier, k_slot, v_tier, v_slot))
+        keys = gather_chunks(k_pools, kt, ks, True, value_group, dtype)
+        values = gather_chunks(v_pools, vt, vs, False, value_group, dtype)
+        visible = (kt >= 0).repeat_interleave(g, 1)[:, None]  # (B, 1, n): every query sees the cache
+        if bool(visible.any()):
+            merge(*_block_attention(query, keys, values, visible, scaling))
+    ar = torch.arange(g, device=query.device)
+    tail_seen = (ar[None, :] < tail_len[:, None])[:, None].expand(b, s, g)
+    causal = torch.ones(s, s, dtype=torch.bool, device=query.device).tril()[None] & new_valid[:, None, :]
+    keys = torch.cat([tail_k.to(dtype), key], 2)
+    values = torch.cat([tail_v.to(dtype), value], 2)
+    merge(*_block_attention(query, keys, values, torch.cat([tail_seen, causal], -1), scaling))
+    return out.to(dtype).transpose(1, 2)
 
 
 def _dense_attention(
@@ -258,11 +327,11 @@ def _pool_sizes(pools: list[torch.Tensor]) -> list[int]:
     return [pools[0].shape[0]] + [quantized_pool(pools, t)[0].shape[0] for t in QUANTIZED_TIERS]
 
 
-def _global_slots(tier: torch.Tensor, slot: torch.Tensor, sizes: list[int], empty: int | None = None) -> torch.Tensor:
+def _global_slots(tier: torch.Tensor, slot: torch.Tensor, sizes: list[int]) -> torch.Tensor:
     """Table entries (B, C) -> index into all pools of a component laid end to end (tier order);
-    an empty entry -> ``empty`` (default: one spare slot after the pools)."""
+    an empty entry -> one spare slot after the pools."""
     offsets = torch.tensor([sum(sizes[:i]) for i in range(len(sizes))], device=tier.device)
-    return torch.where(tier >= 0, offsets[tier.clamp(min=0)] + slot, sum(sizes) if empty is None else empty)
+    return torch.where(tier >= 0, offsets[tier.clamp(min=0)] + slot, sum(sizes))
 
 
 def _slot_affines(pools: list[torch.Tensor], sizes: list[int], shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:

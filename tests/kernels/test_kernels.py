@@ -18,7 +18,7 @@ import torch
 from hqekv import kernels
 from hqekv.kernels._triton import HAVE_TRITON
 from hqekv.kernels.dequantize import dequantize_reference, dequantize_triton
-from hqekv.kernels.mixed_attention import mixed_attention_reference, mixed_attention_triton
+from hqekv.kernels.mixed_attention import _tiled_attention, mixed_attention_reference, mixed_attention_triton
 from hqekv.kernels.quantize_pack import quantize_pack_reference, quantize_pack_triton
 
 from .random_cache import random_mixed_cache
@@ -145,6 +145,20 @@ def test_mixed_attention_strategies_agree(name):
     pools = mixed_attention_reference(**args, strategy="pools")
     dense = mixed_attention_reference(**args, strategy="dense")
     torch.testing.assert_close(pools, dense, atol=2e-5, rtol=1e-5)
+    for tile in (1, 2, 64):  # tiles of the table merged by log-sum-exp: one block or several
+        tiled = _tiled_attention(*args.values(), tile=tile)
+        torch.testing.assert_close(tiled, dense, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_tiled_attention_of_a_prompt_chunk_matches_the_dense_copy_in_16_bits(dtype):
+    """A prompt chunk of many queries over a long table, with padding, in the model's dtype."""
+    args = random_mixed_cache(dtype=dtype, b=2, hq=8, hkv=2, s=40, d=32, n_chunks=9, value_group=32, empty_every=4)
+    args["new_valid"][1, :13] = False  # left padding of the second row
+    dense = mixed_attention_reference(**args, strategy="dense")
+    tiled = mixed_attention_reference(**args, strategy="tiles")
+    scale = dense.abs().max().item()
+    torch.testing.assert_close(tiled.float(), dense.float(), atol=ATTENTION_TOL[dtype] * scale, rtol=0)
 
 
 def test_mixed_attention_query_that_sees_nothing_gets_zeros():
@@ -154,13 +168,14 @@ def test_mixed_attention_query_that_sees_nothing_gets_zeros():
     assert torch.equal(expected[0, 0], torch.zeros_like(expected[0, 0]))
     assert torch.isfinite(expected).all()
     assert torch.equal(mixed_attention_reference(**args, strategy="dense")[0, 0], expected[0, 0])
+    assert torch.equal(mixed_attention_reference(**args, strategy="tiles")[0, 0], expected[0, 0])
     on_device = {k: ([t.to(DEVICE) for t in v] if isinstance(v, list) else v.to(DEVICE) if torch.is_tensor(v) else v)
                  for k, v in args.items()}  # fmt: skip
     got = mixed_attention_triton(**on_device).cpu()
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("strategy", ["pools", "dense"])
+@pytest.mark.parametrize("strategy", ["pools", "dense", "tiles"])
 def test_mixed_attention_matches_dense_attention_when_every_chunk_is_fp16(strategy):
     """All-FP16 tables: the op is plain causal attention over the concatenated tokens."""
     args = random_mixed_cache(b=2, hq=4, hkv=2, s=3, d=16, n_chunks=3, value_group=16, tiers=(0,))

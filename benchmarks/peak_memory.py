@@ -1,0 +1,213 @@
+"""Peak memory of a prefill plus decode tokens through ``model.generate``: DynamicCache
+against hqekv, one-shot and chunked (``prefill_chunk_size``), each case in a fresh process.
+
+    python benchmarks/peak_memory.py                       # the CPU cases below
+    python benchmarks/peak_memory.py --cases llama3-8b-attn:32768 --chunks 2048 --bavg 2
+    python benchmarks/peak_memory.py --cases llama3-8b:32768 --dtype bfloat16 --out ...  # on a GPU
+
+A case is ``MODEL:TOKENS``. MODEL is a packaged model (``smollm2``, ``qwen2.5-coder``; the
+prompt is the essays, in the model's dtype) or a random-weight Llama shape
+(``llama3-8b-attn``: Llama-3-8B's attention — hidden 4096, 32 query heads, 8 KV heads of
+dim 128 — with 4 layers, a 1024-wide MLP and a 32K vocabulary, so that on a CPU the cache
+and the attention dominate as they do for users of 8B models; ``llama3-8b``: the whole
+model, for a GPU). Every (case, cache, chunk) runs in a new Python process that loads the
+model, runs a short warm-up ``generate`` (thread pools, kernel libraries), then measures one
+greedy ``generate`` of the prompt plus ``--new-tokens`` tokens:
+
+- on CUDA: ``torch.cuda.max_memory_allocated()`` during it, minus what was allocated before
+  it (the weights);
+- on CPU: the peak resident set size of the process during it (``VmHWM``, reset through
+  ``/proc/self/clear_refs`` just before), minus the resident set size before it: the peak
+  memory beyond what the loaded model holds, every allocation counted.
+
+Each row also gives the cache's own bytes at the end (hqekv: its memory report; the
+DynamicCache: its key and value tensors), the prefill seconds (to the first token) and the
+attention each side ran: the model's SDPA for the DynamicCache and hqekv's first prompt
+chunk, hqekv's ``mixed_attention`` for later chunks. Results: JSON under
+``benchmarks/results/``, and the ratio of each hqekv peak to the DynamicCache's with the same
+chunks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import time
+
+import torch
+from common import essay_ids, save
+
+SHAPES = {
+    "llama3-8b-attn": dict(hidden_size=4096, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=32,
+                           num_key_value_heads=8, head_dim=128, vocab_size=32000, rope_theta=500000.0,
+                           max_position_embeddings=131072),
+    "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                      num_key_value_heads=8, head_dim=128, vocab_size=128256, rope_theta=500000.0,
+                      max_position_embeddings=131072),
+    "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=256, max_position_embeddings=8192),
+}  # fmt: skip
+CPU_CASES = ["smollm2:4096", "smollm2:8192", "qwen2.5-coder:16384", "llama3-8b-attn:16384", "llama3-8b-attn:32768"]
+
+
+def _kib(field: str) -> int:
+    return int(re.search(rf"{field}:\s+(\d+) kB", open("/proc/self/status").read()).group(1)) * 1024
+
+
+class PeakMeter:
+    """Peak memory of what runs between :meth:`start` and :meth:`stop`, beyond what was held at the start."""
+
+    def __init__(self, device: str):
+        self.device = device
+
+    def start(self) -> None:
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.base = torch.cuda.memory_allocated()
+        else:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # the peak RSS (VmHWM) starts again from the current RSS
+            self.base = _kib("VmRSS")
+
+    def stop(self) -> int:
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+            return torch.cuda.max_memory_allocated() - self.base
+        return _kib("VmHWM") - self.base
+
+    @property
+    def method(self) -> str:
+        if self.device == "cuda":
+            return "torch.cuda.max_memory_allocated() during generate minus memory_allocated() before it"
+        return "peak RSS (VmHWM, reset by /proc/self/clear_refs) during generate minus the RSS before it"
+
+
+def load(model_name: str, dtype: str | None, device: str):
+    """-> model, and a function of n giving an (1, n) prompt."""
+    if model_name in SHAPES:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = LlamaForCausalLM(LlamaConfig(**SHAPES[model_name])).to(getattr(torch, dtype or "bfloat16")).eval()
+        gen = torch.Generator().manual_seed(0)
+        return model, lambda n: torch.randint(0, model.config.vocab_size, (1, n), generator=gen).to(device)
+    from hqekv.models import load_model
+
+    model, tokenizer, _ = load_model(model_name, dtype=getattr(torch, dtype) if dtype else None)
+    return model.to(device), lambda n: essay_ids(tokenizer, n).to(device)
+
+
+def cache_bytes(cache) -> int:
+    from hqekv.eval import cache_memory
+
+    return cache_memory(cache)["cache_bytes"]
+
+
+def run_one(spec: dict) -> dict:
+    """One measurement, in this process (a fresh one: see :func:`main`)."""
+    import hqekv
+    from hqekv.eval.tasks import output_cache
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if spec.get("threads"):
+        torch.set_num_threads(spec["threads"])
+    model, prompt = load(spec["model"], spec.get("dtype"), device)
+    if spec["cache"] != "dynamic":
+        bavg, _, ratios = spec["cache"].partition(":")
+        hqekv.patch_model(model, float(bavg), **({"ratios": ratios} if ratios else {}))
+    ids = prompt(spec["tokens"])
+    times = []
+
+    class Clock:  # a logits processor: called once per step, the first time right after the prefill
+        def __call__(self, input_ids, scores):
+            times.append(time.perf_counter())
+            return scores
+
+    def generate(x, n):
+        with torch.no_grad():
+            return model.generate(
+                x, max_new_tokens=n, min_new_tokens=n, do_sample=False, prefill_chunk_size=spec["chunk"],
+                return_dict_in_generate=True, logits_processor=[Clock()], disable_compile=True,
+            )  # fmt: skip
+
+    generate(prompt(min(512, spec["tokens"])), 2)  # warm-up: thread pools, kernel libraries
+    del times[:]
+    meter = PeakMeter(device)
+    meter.start()
+    start = time.perf_counter()
+    out = generate(ids, spec["new_tokens"])
+    peak = meter.stop()
+    cache = output_cache(out)
+    row = {
+        **spec,
+        "device": device,
+        "peak_bytes": peak,
+        "cache_bytes": cache_bytes(cache),
+        "prefill_s": times[0] - start,
+        "prefill_tokens_per_s": spec["tokens"] / (times[0] - start),
+        "weights_bytes": sum(p.nbytes for p in model.parameters()),
+        "method": meter.method,
+        "attention": "model SDPA" if spec["cache"] == "dynamic" else (
+            "model SDPA for the first prompt chunk, hqekv mixed_attention for the others"
+            if spec["chunk"] else "model SDPA for the prompt, hqekv mixed_attention for decoding"),
+    }  # fmt: skip
+    if spec["cache"] != "dynamic":
+        row["memory_report"] = hqekv.memory_report(cache).to_dict()
+    return row
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cases", nargs="+", default=CPU_CASES, help="MODEL:TOKENS (default: %(default)s)")
+    parser.add_argument("--chunks", type=int, nargs="+", default=[0, 512, 2048], help="prefill chunk sizes; 0 = one-shot")
+    parser.add_argument("--bavg", nargs="+", default=["2", "3.2"], help="hqekv settings: B or B:auto")
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--dtype", help="model dtype (default: bfloat16 for random shapes, the packaged one otherwise)")
+    parser.add_argument("--threads", type=int)
+    parser.add_argument("--out", help="JSON path (default benchmarks/results/peak_memory.json)")
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # a single case as JSON: run it here, print its row
+    args = parser.parse_args()
+    if args.one:
+        print("ROW " + json.dumps(run_one(json.loads(args.one))))
+        return
+    rows = []
+    for case in args.cases:
+        model_name, tokens = case.rsplit(":", 1)
+        for chunk in args.chunks:
+            base = None
+            for cache in ["dynamic", *args.bavg]:
+                spec = dict(model=model_name, tokens=int(tokens), chunk=chunk or None, cache=cache,
+                            new_tokens=args.new_tokens, dtype=args.dtype, threads=args.threads)  # fmt: skip
+                done = subprocess.run(
+                    [sys.executable, __file__, "--one", json.dumps(spec)], capture_output=True, text=True
+                )
+                lines = [line for line in done.stdout.splitlines() if line.startswith("ROW ")]
+                if done.returncode or not lines:
+                    print(done.stderr[-3000:], file=sys.stderr)
+                    rows.append({**spec, "error": done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "?"})
+                    continue
+                row = json.loads(lines[-1][4:])
+                if cache == "dynamic":
+                    base = row
+                elif base is not None:
+                    row["peak_to_dynamic"] = row["peak_bytes"] / base["peak_bytes"]
+                    row["prefill_speed_to_dynamic"] = row["prefill_tokens_per_s"] / base["prefill_tokens_per_s"]
+                rows.append(row)
+                mib = 2**20
+                print(
+                    f"{case:24s} chunk {chunk or '-':>5} {cache:8s} peak {row['peak_bytes'] / mib:8.1f} MiB "
+                    f"cache {row['cache_bytes'] / mib:8.1f} MiB prefill {row['prefill_tokens_per_s']:7.1f} tok/s"
+                    + (f"  peak/dynamic {row['peak_to_dynamic']:.3f}" if "peak_to_dynamic" in row else ""),
+                    flush=True,
+                )
+    save("peak_memory", {"measured_through": "model.generate (greedy), each case in a fresh process",
+                         "rows": rows}, args.out)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
