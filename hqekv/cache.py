@@ -51,6 +51,11 @@ from .sliding import SlidingWindowLayer
 from .tiers import EVICTED, FP16, INT1, QUANTIZED_TIERS, TIER_NAMES
 
 
+DEFER_EVICTION = True
+"""While a prompt arrives in pieces (:meth:`HqeKVCache.defer_eviction`), re-ranks quantize but
+evict nothing until :meth:`HqeKVCache.settle` ranks with the prompt's last queries; False
+evicts at every piece's re-rank (an ablation)."""
+
 _ROW_PARTS = {
     "tables": ("chunk_pos", "k_tier", "k_slot", "v_tier", "v_slot"),
     "tail": ("tail_k", "tail_v", "tail_len"),
@@ -80,6 +85,7 @@ class HqeKVLayer(RowStateLayer):
         self.config = config
         self.layer_idx = layer_idx
         self.has_tokens = False
+        self.deferring = False  # a prompt arrives in pieces: evict nothing yet (HqeKVCache.defer_eviction)
 
     # --- CacheLayerMixin contract ----------------------------------------------------------
 
@@ -562,6 +568,8 @@ class HqeKVLayer(RowStateLayer):
 
         Importance comes from the window queries over the current cache; chunks only move
         downward (FP16 → 4 → 2 → 1 → evicted), re-quantized from their dequantized values.
+        While ``deferring`` (a prompt in pieces), no chunk is evicted: one the policy would
+        evict waits at 1 bit for :meth:`HqeKVCache.settle`.
         Under ``allocation="rate-distortion"``, ``provisional`` (a multi-token input) keeps
         the layer within :data:`~hqekv.allocation.PROVISIONAL` times its budget and leaves its
         choices in ``pending`` for :meth:`HqeKVCache.share_budget`.
@@ -570,6 +578,8 @@ class HqeKVLayer(RowStateLayer):
         cfg = self.config
         if cfg.allocation == "rate-distortion":
             keys, values, found = self.choices(provisional)
+            if self.deferring:
+                found.evictable = torch.zeros_like(found.evictable)
             prop_k, prop_v = allocation.allocate(
                 found.d_k, found.d_v, found.d_evict, *self.chunk_bytes(), found.k_tier, found.v_tier,
                 found.evictable, found.budget,
@@ -579,6 +589,9 @@ class HqeKVLayer(RowStateLayer):
             prop_k, prop_v = rerank.propose(
                 cfg, score_k, score_v, table, self.n_chunks, self.n_evicted, cfg.ratios, cfg.key_ratios
             )
+            if self.deferring:  # the chunks to evict wait at the lowest tier for the prompt's end
+                gone = prop_k == EVICTED
+                prop_k, prop_v = prop_k.masked_fill(gone, INT1), prop_v.masked_fill(gone, INT1)
         here = rows[:, None] & (table.chunk_pos >= 0)
         new_k = torch.where(here, prop_k, table.k_tier)
         new_v = torch.where(here, prop_v, table.v_tier)
@@ -729,8 +742,16 @@ class HqeKVCache(Cache):
         layers = [layer for layer in self.hqekv_layers if layer.is_initialized and layer.pending is not None]
         if not layers:
             return
-        # the model's budget is every layer's fair part, whatever shares the layers held before
-        choices = [dataclasses.replace(layer.pending, budget=layer.fair_budget()) for layer in layers]
+        # the model's budget is every layer's fair part, whatever shares the layers held before;
+        # while a prompt arrives in pieces, twice that and no eviction (settle() ends it)
+        choices = [
+            dataclasses.replace(
+                layer.pending,
+                budget=layer.fair_budget() * (allocation.PROVISIONAL if layer.deferring else 1.0),
+                evictable=layer.pending.evictable & (not layer.deferring),
+            )
+            for layer in layers
+        ]
         if allocation.LAYER_SCALE == "off":
             tiers = [allocation.share([found], *layers[0].chunk_bytes())[0] for found in choices]
         else:
@@ -739,8 +760,35 @@ class HqeKVCache(Cache):
             layer.pending = None
             with torch.no_grad():
                 layer.apply_tiers(layer.live_table(), k, v)  # marks the new storage for compile
-            share = layer.chunk_storage_bytes() / found.budget.clamp(min=1e-30)
-            layer.budget_share.copy_(torch.where(found.budget > 0, share, layer.budget_share))
+            fair = layer.fair_budget()
+            share = layer.chunk_storage_bytes() / fair.clamp(min=1e-30)
+            layer.budget_share.copy_(torch.where(fair > 0, share, layer.budget_share))
+
+    def defer_eviction(self) -> None:
+        """A prompt will arrive in pieces (``generate(prefill_chunk_size=...)`` calls this; so
+        can a loop of one's own): until :meth:`settle`, re-ranks quantize as usual but evict
+        nothing, since the pieces to come (the question, at the end of a prompt) may need
+        what an early piece's queries did not look at. Chunks the policy would evict wait
+        at 1 bit (the allocator, ``ratios="auto"``: within twice the budget); that transient
+        allowance is real memory, and the memory report counts it until :meth:`settle`.
+        A no-op when :data:`DEFER_EVICTION` is False."""
+        for layer in self.hqekv_layers:
+            layer.deferring = DEFER_EVICTION
+
+    @torch.compiler.disable
+    def settle(self) -> None:
+        """The end of a prompt that arrived in pieces: every layer re-ranks all its chunks with
+        the prompt's last queries and evicts within the budget (SPEC §1.3); eager. A no-op
+        unless :meth:`defer_eviction` was called."""
+        layers = [layer for layer in self.hqekv_layers if layer.deferring]
+        for layer in layers:
+            layer.deferring = False
+            if layer.is_initialized and layer.chunk_pos.numel():
+                rows = (layer.chunk_pos >= 0).any(1)
+                if bool(rows.any()):
+                    with torch.no_grad():
+                        layer.rerank(rows, provisional=True)
+        self.share_budget()
 
     def advance(self, n_new: int) -> None:
         """Count ``n_new`` more tokens in the logical length of every layer, after a forward (traceable)."""

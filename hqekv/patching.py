@@ -517,25 +517,35 @@ class _PrepareInputs:
 
 
 class _EagerPrefill:
-    """``_prefill``: the original, never through the compiled call.
+    """``_prefill``: with ``prefill_chunk_size``, the prompt's chunks run eagerly and the
+    cache evicts only once the whole prompt is in.
 
-    With ``prefill_chunk_size`` and a compile config, ``generate`` runs every prompt chunk
-    through the compiled forward; storing a multi-token input in an HqeKV cache (flush,
-    re-rank, budget sharing) is an eager step, which breaks a ``fullgraph=True`` graph and
-    recompiles at every chunk otherwise. The chunks run eagerly, like a one-shot prefill;
-    the decode steps that follow still run the compiled call.
+    ``generate`` runs every prompt chunk through the compiled forward when it has a compile
+    config; storing a multi-token input in an HqeKV cache (flush, re-rank, budget sharing) is
+    an eager step, which breaks a ``fullgraph=True`` graph and recompiles at every chunk
+    otherwise. The chunks run eagerly, like a one-shot prefill; the decode steps that follow
+    still run the compiled call. Around the chunks, :meth:`HqeKVCache.defer_eviction` and
+    :meth:`HqeKVCache.settle`: the question at the end of a prompt decides what is evicted.
     """
 
     def __init__(self, model):
         self.model = model
         self.original = model.__dict__.get("_prefill")
 
-    def __call__(self, input_ids, generation_config, *args, **kwargs):
-        if generation_config.prefill_chunk_size is not None and not generation_config.disable_compile:
+    def __call__(self, input_ids, generation_config, model_kwargs, *args, **kwargs):
+        prefill = self.original or type(self.model)._prefill.__get__(self.model)
+        if generation_config.prefill_chunk_size is None:
+            return prefill(input_ids, generation_config, model_kwargs, *args, **kwargs)
+        if not generation_config.disable_compile:
             generation_config = copy.copy(generation_config)
             generation_config.disable_compile = True  # read by _valid_auto_compile_criteria
-        prefill = self.original or type(self.model)._prefill.__get__(self.model)
-        return prefill(input_ids, generation_config, *args, **kwargs)
+        cache = next((model_kwargs.get(name) for name in CACHE_ARGUMENTS if model_kwargs.get(name) is not None), None)
+        if not isinstance(cache, HqeKVCache):
+            return prefill(input_ids, generation_config, model_kwargs, *args, **kwargs)
+        cache.defer_eviction()
+        out = prefill(input_ids, generation_config, model_kwargs, *args, **kwargs)
+        cache.settle()
+        return out
 
 
 def _check_cache_implementation(model, record: _PatchRecord, kwargs: dict) -> None:

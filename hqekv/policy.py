@@ -56,6 +56,8 @@ def assign_tiers(
     fp16_k: torch.Tensor | None = None,
     fp16_v: torch.Tensor | None = None,
     key_ratios: TierRatios | None = None,
+    floor_k: torch.Tensor | None = None,
+    floor_v: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Tier of each chunk for K and for V; one evicted set shared by both.
 
@@ -81,6 +83,11 @@ def assign_tiers(
     key_ratios: the keys' tier shares when they differ from the values' (``ratios``); the
     evicted count comes from ``ratios`` (one evicted set), so a key count that rounds
     differently moves one chunk between the keys' 1-bit tier and its neighbour.
+
+    floor_k, floor_v (B, C) int: each chunk's current tier in its component, below which it
+    cannot rise (tiers only move down). A tier's places go to the best-ranked kept chunks
+    that can still be at it, so a chunk held lower by an earlier re-rank does not leave
+    its place empty: the counts, and so the bytes, are those of the ratios. Default: none.
     """
     n_valid = valid.sum(1)
     if n_logical is None:
@@ -120,12 +127,22 @@ def assign_tiers(
     kept = valid & ~evicted
 
     # --- tiers of the kept chunks, per metric ----------------------------------------------
-    def tiers_for(scores: torch.Tensor, forced: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-        # Cumulative boundaries in kept-rank space: protected FP16, then fp16, int4, int2 counts.
-        bounds = protected + c[:, [FP16, INT4, INT2]].cumsum(1)  # (B, 3)
+    def tiers_for(scores: torch.Tensor, forced: torch.Tensor, c: torch.Tensor, floor) -> torch.Tensor:
         # The forced FP16 chunks take the first `protected` places, then the order of the metric.
-        kept_rank = descending_rank(scores.float().masked_fill(forced, float("inf")), kept)  # (B, C)
-        tier = (kept_rank[:, :, None] >= bounds[:, None, :]).sum(-1)  # 0..3
+        order = scores.float().masked_fill(forced, float("inf"))
+        if floor is None:
+            # Cumulative boundaries in kept-rank space: protected FP16, then fp16, int4, int2 counts.
+            bounds = protected + c[:, [FP16, INT4, INT2]].cumsum(1)  # (B, 3)
+            kept_rank = descending_rank(order, kept)  # (B, C)
+            tier = (kept_rank[:, :, None] >= bounds[:, None, :]).sum(-1)  # 0..3
+            return tier.masked_fill(~kept, EVICTED)
+        tier = torch.full_like(floor, INT1)
+        open_ = kept.clone()  # kept chunks without a place yet
+        for t, places in ((FP16, protected + c[:, FP16]), (INT4, c[:, INT4]), (INT2, c[:, INT2])):
+            can = open_ & (floor <= t)
+            take = can & (descending_rank(order, can) < places[:, None])
+            tier = tier.masked_fill(take, t)
+            open_ &= ~take
         return tier.masked_fill(~kept, EVICTED)
 
-    return tiers_for(score_k, forced_k, counts_k), tiers_for(score_v, forced_v, counts)
+    return tiers_for(score_k, forced_k, counts_k, floor_k), tiers_for(score_v, forced_v, counts, floor_v)

@@ -60,6 +60,8 @@ def propose(
         fp16_k=table.k_tier == FP16,
         fp16_v=table.v_tier == FP16,
         key_ratios=key_ratios,
+        floor_k=table.k_tier.clamp(min=0),
+        floor_v=table.v_tier.clamp(min=0),
     )
 
 

@@ -479,14 +479,17 @@ def _check_slot_tables(layer):
 
 
 @pytest.mark.parametrize(
-    "ratios",
+    "ratios, key_ratios",
     [
-        hqekv.TierRatios(fp16=0.4, int4=0.4, evict=0.2),  # e.g. a per-layer budget above 4 bits
-        hqekv.TierRatios(fp16=0.5, int4=0.5),  # the uncalibrated fallback for a bavg in (4, 16]
-        MIXED,
+        # e.g. a per-layer budget above 4 bits, keys with fewer FP16 chunks than values
+        (hqekv.TierRatios(fp16=0.4, int4=0.4, evict=0.2), hqekv.TierRatios(fp16=0.2, int4=0.6, evict=0.2)),
+        (hqekv.TierRatios(fp16=0.5, int4=0.5), hqekv.TierRatios(fp16=0.3, int4=0.7)),
+        (MIXED, None),
     ],
 )
-def test_full_precision_chunks_hold_their_own_tokens_through_chunked_feeding_and_decode(ratios, monkeypatch):
+def test_full_precision_chunks_hold_their_own_tokens_through_chunked_feeding_and_decode(
+    ratios, key_ratios, monkeypatch
+):
     """Re-ranks move K and V chunks down apart, so the two FP16 pools differ in size; a chunk
     flushed afterwards must still find its own keys and values (a shared slot read another chunk's)."""
     from hqekv.cache import HqeKVLayer
@@ -500,7 +503,7 @@ def test_full_precision_chunks_hold_their_own_tokens_through_chunked_feeding_and
 
     monkeypatch.setattr(HqeKVLayer, "attend", recording_attend)
     model = tiny_llama(seed=3)
-    hqekv.patch_model(model, ratios=ratios, value_group=16, fp_dtype="model")
+    hqekv.patch_model(model, ratios=ratios, key_ratios=key_ratios, value_group=16, fp_dtype="model")
     ids = prompt(700, seed=7)
     with torch.no_grad():
         cache = output_cache(model(ids[:, :160], use_cache=True))

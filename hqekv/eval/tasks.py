@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import data
-from ..patching import output_cache
+from ..cache import HqeKVCache
+from ..patching import is_patched, new_cache, output_cache
 
 CALIBRATION_ARTICLES = 4
 """SQuAD articles [0, 4) hold the 16K-token calibration text; evaluation uses the rest."""
@@ -54,10 +55,16 @@ def prefill(model, input_ids: torch.Tensor, cache=None, chunk: int | None = None
     if chunk is not None and chunk < 1:
         raise ValueError(f"prefill chunk of {chunk} tokens: it must be at least 1")
     step = input_ids.shape[1] if chunk is None else chunk
+    if cache is None and step < input_ids.shape[1] and is_patched(model):
+        cache = new_cache(model)
+    if isinstance(cache, HqeKVCache) and step < input_ids.shape[1]:
+        cache.defer_eviction()  # as generate does: evict once the whole prompt is in
     kwargs = _first_cache(cache)
     for start in range(0, input_ids.shape[1], step):
         out = model(input_ids[:, start : start + step], use_cache=True, logits_to_keep=1, **kwargs)
         kwargs = {"cache": output_cache(out)}
+    if isinstance(kwargs["cache"], HqeKVCache):
+        kwargs["cache"].settle()
     return out
 
 
