@@ -26,15 +26,17 @@ def window_probabilities(
     if hq % hkv:
         raise ValueError(f"{hq} query heads are not a multiple of {hkv} KV heads")
     q = queries.float().reshape(b, hkv, hq // hkv, m, d)
-    k = keys.float()
-    logits = torch.einsum("bhgmd,bhnd->bhgmn", q, k) * scaling
     visible = (
         key_valid[:, None, :]
         & query_valid[:, :, None]
         & (key_pos[:, None, :] <= query_pos[:, :, None])
     )  # (B, m, N)
-    logits = logits.masked_fill(~visible[:, None, None], -float("inf"))
-    return torch.softmax(logits, dim=-1).nan_to_num(0.0), visible
+    probs = q.new_empty(b, hkv, hq // hkv, m, keys.shape[2])
+    for h in range(hkv):  # one KV head at a time: the temporaries are a head's, not the layer's
+        logits = torch.einsum("bgmd,bnd->bgmn", q[:, h], keys[:, h].float()) * scaling
+        logits = logits.masked_fill(~visible[:, None], -float("inf"))
+        probs[:, h] = torch.softmax(logits, dim=-1).nan_to_num(0.0)
+    return probs, visible
 
 
 def window_attention(

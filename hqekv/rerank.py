@@ -65,6 +65,10 @@ def propose(
     )
 
 
+REQUANTIZE_BATCH = 64
+"""Chunks :func:`rebuild` re-quantizes at a time."""
+
+
 def rebuild(
     table: ChunkTable,
     pools: dict[str, ComponentPools],
@@ -101,8 +105,12 @@ def rebuild(
                     raise AssertionError("a chunk moved up to FP16; tiers only move down")
                 by_tier[t] = pools[component].fp[old_slot[rs, cs]]
             else:
-                fresh = encode_chunks(dense[component][rm, cm], t, component, value_group, meta_dtype)
-                by_tier[t] = QuantizedPool.cat([pools[component].quantized[t].select(old_slot[rs, cs]), fresh])
+                # a batch of chunks at a time: quantizing's temporaries stay the size of a batch
+                fresh = [
+                    encode_chunks(dense[component][r, c], t, component, value_group, meta_dtype)
+                    for r, c in zip(rm.split(REQUANTIZE_BATCH), cm.split(REQUANTIZE_BATCH))
+                ]
+                by_tier[t] = QuantizedPool.cat([pools[component].quantized[t].select(old_slot[rs, cs]), *fresh])
         new_slots[component] = slot
         new_pools[component] = ComponentPools(by_tier[FP16], {t: by_tier[t] for t in QUANTIZED_TIERS})
 

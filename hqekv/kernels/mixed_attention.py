@@ -42,6 +42,11 @@ POOL_ORDER = ("fp16", "int4.codes", "int4.meta0", "int4.meta1", "int2.codes", "i
               "int1.codes", "int1.meta0", "int1.meta1")  # fmt: skip
 
 
+TILE_CHUNKS = 64
+"""Chunks dequantized at a time: a tile of :func:`_tiled_attention` (2048 tokens at G = 32),
+a batch of :func:`gather_chunks`."""
+
+
 def quantized_pool(pools: list[torch.Tensor], tier: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(codes, meta0, meta1) of ``tier`` out of a pool list in :data:`POOL_ORDER`."""
     i = 1 + 3 * QUANTIZED_TIERS.index(tier)
@@ -93,18 +98,18 @@ def gather_chunks(
     _, h, g, d = fp.shape
     out = fp.new_zeros(b, h, c + (tail is not None), g, d, dtype=dtype)
     for t in range(1 + len(QUANTIZED_TIERS)):
-        rows, cols = (tier == t).nonzero(as_tuple=True)
-        if not rows.numel():
-            continue
-        slots = slot[rows, cols]
-        if t == 0:
-            out[rows, :, cols] = fp[slots].to(dtype)
-        else:
-            codes, m0, m1 = quantized_pool(pools, t)
-            bits, normalized = TIER_FORMATS[t]
-            out[rows, :, cols] = dequantize_reference(
-                codes[slots], m0[slots], m1[slots], bits, normalized, per_channel, group, g, d, dtype
-            )
+        entries = (tier == t).nonzero(as_tuple=True)
+        # a batch of chunks at a time: the unpacking's temporaries stay the size of a batch
+        for rows, cols in zip(*(x.split(TILE_CHUNKS) for x in entries)):
+            slots = slot[rows, cols]
+            if t == 0:
+                out[rows, :, cols] = fp[slots].to(dtype)
+            else:
+                codes, m0, m1 = quantized_pool(pools, t)
+                bits, normalized = TIER_FORMATS[t]
+                out[rows, :, cols] = dequantize_reference(
+                    codes[slots], m0[slots], m1[slots], bits, normalized, per_channel, group, g, d, dtype
+                )
     if tail is not None:
         out[:, :, c] = tail
     return out.reshape(b, h, out.shape[2] * g, d)
@@ -179,25 +184,18 @@ def mixed_attention_reference(
     raise ValueError(f"unknown strategy {strategy!r}; expected 'pools', 'dense' or 'tiles'")
 
 
-TILE_CHUNKS = 64
-"""Chunks of the table per tile of :func:`_tiled_attention` (2048 tokens at G = 32)."""
-
-
 def _block_attention(query, keys, values, visible, scaling) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of query (B, Hq, S, D) over one block of keys/values (B, Hkv, n, D) where
-    ``visible`` (B, S or 1, n) -> output (B, Hq, S, D) float32 and its log-sum-exp (B, Hq, S),
-    -inf for a query that sees nothing in the block."""
-    b, hq, s, _ = query.shape
-    group = hq // keys.shape[1]
-    if group > 1:
-        keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
+    """Attention of the queries (B, g, S, D) of one KV head over one block of its keys/values
+    (B, 1, n, D) where ``visible`` (B, S or 1, n) -> output (B, g, S, D) in the query dtype
+    and its log-sum-exp (B, g, S) float32, -inf for a query that sees nothing in the block."""
+    b, group, s, _ = query.shape
+    keys, values = keys.expand(b, group, *keys.shape[2:]), values.expand(b, group, *values.shape[2:])
     mask = torch.zeros(visible.shape, dtype=query.dtype, device=query.device).masked_fill(~visible, float("-inf"))
-    mask = mask[:, None].expand(b, 1, s, visible.shape[-1])
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        query, keys, values, 0.0, False, attn_mask=mask, scale=scaling
+        query, keys, values, 0.0, False, attn_mask=mask[:, None].expand(b, 1, s, visible.shape[-1]), scale=scaling
     )
-    sees = visible.any(-1)[:, None].expand(b, hq, s)
-    return out.float(), lse.masked_fill(~sees, float("-inf"))
+    sees = visible.any(-1)[:, None].expand(b, group, s)
+    return out, lse.masked_fill(~sees, float("-inf"))
 
 
 def _tiled_attention(
@@ -206,37 +204,46 @@ def _tiled_attention(
 ) -> torch.Tensor:  # fmt: skip
     """The attention of ``_dense_attention``, block by block: ``tile`` table entries at a time
     (dequantized alone, :func:`gather_chunks`), then the tail with the new tokens (causal,
-    padding masked); each block's output is merged into a running one by log-sum-exp. The
-    scores of a block are tiled again inside the flash kernel; the largest transient is one
-    block's keys and values at the query heads."""
+    padding masked), one KV head at a time; each block's output is merged into a running
+    one by log-sum-exp, in place. The scores of a block are tiled again inside the flash
+    kernel. Beyond the output, the transient memory is one tile of the cache and one KV
+    head's block output, whatever the length of the cache."""
     b, hq, s, _ = query.shape
-    g = tail_k.shape[2]
+    hkv, g = key.shape[1], tail_k.shape[2]
+    group = hq // hkv
     dtype = query.dtype
     out = query.new_zeros(b, hq, s, query.shape[-1], dtype=torch.float32)
     total = query.new_full((b, hq, s), float("-inf"), dtype=torch.float32)
 
-    def merge(block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
-        nonlocal out, total
-        new_total = torch.logaddexp(total, block_lse)
-        finite = torch.isfinite(new_total)
-        keep = torch.where(finite, torch.exp(total - new_total), 0.0)
-        take = torch.where(finite, torch.exp(block_lse - new_total), 0.0)
-        out = out * keep[..., None] + block_out * take[..., None]
-        total = new_total
+    def attend(keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor) -> None:
+        for h in range(hkv):
+            heads = slice(h * group, (h + 1) * group)
+            block_out, block_lse = _block_attention(
+                query[:, heads], keys[:, h : h + 1], values[:, h : h + 1], visible, scaling
+            )
+            new_total = torch.logaddexp(total[:, heads], block_lse)
+            finite = torch.isfinite(new_total)
+            keep = torch.where(finite, torch.exp(total[:, heads] - new_total), 0.0)
+            take = torch.where(finite, torch.exp(block_lse - new_total), 0.0)
+            out[:, heads].mul_(keep[..., None]).add_(block_out.float().mul_(take[..., None]))
+            total[:, heads] = new_total
 
     for c0 in range(0, k_tier.shape[1], tile):
         kt, ks, vt, vs = (t[:, c0 : c0 + tile] for t in (k_tier, k_slot, v_tier, v_slot))
-        keys = gather_chunks(k_pools, kt, ks, True, value_group, dtype)
-        values = gather_chunks(v_pools, vt, vs, False, value_group, dtype)
         visible = (kt >= 0).repeat_interleave(g, 1)[:, None]  # (B, 1, n): every query sees the cache
         if bool(visible.any()):
-            merge(*_block_attention(query, keys, values, visible, scaling))
+            attend(
+                gather_chunks(k_pools, kt, ks, True, value_group, dtype),
+                gather_chunks(v_pools, vt, vs, False, value_group, dtype),
+                visible,
+            )
     ar = torch.arange(g, device=query.device)
     tail_seen = (ar[None, :] < tail_len[:, None])[:, None].expand(b, s, g)
     causal = torch.ones(s, s, dtype=torch.bool, device=query.device).tril()[None] & new_valid[:, None, :]
-    keys = torch.cat([tail_k.to(dtype), key], 2)
-    values = torch.cat([tail_v.to(dtype), value], 2)
-    merge(*_block_attention(query, keys, values, torch.cat([tail_seen, causal], -1), scaling))
+    attend(
+        torch.cat([tail_k.to(dtype), key], 2), torch.cat([tail_v.to(dtype), value], 2),
+        torch.cat([tail_seen, causal], -1),
+    )  # fmt: skip
     return out.to(dtype).transpose(1, 2)
 
 
