@@ -175,6 +175,8 @@ def main():
     if args.one:
         print("ROW " + json.dumps(run_one(json.loads(args.one))))
         return
+    header = {"measured_through": "model.generate (greedy), each case in a fresh process",
+              "method": PeakMeter("cuda" if torch.cuda.is_available() else "cpu").method}  # fmt: skip
     rows = []
     for case in args.cases:
         model_name, tokens = case.rsplit(":", 1)
@@ -205,8 +207,7 @@ def main():
                     + (f"  peak/dynamic {row['peak_to_dynamic']:.3f}" if "peak_to_dynamic" in row else ""),
                     flush=True,
                 )
-    save("peak_memory", {"measured_through": "model.generate (greedy), each case in a fresh process",
-                         "rows": rows}, args.out)  # fmt: skip
+                save("peak_memory", {**header, "rows": rows}, args.out)  # after every row: a timeout keeps the rest
 
 
 if __name__ == "__main__":

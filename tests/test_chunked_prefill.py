@@ -127,3 +127,42 @@ def test_the_eval_prefill_feeds_a_prompt_in_chunks_like_generate():
     torch.testing.assert_close(chunked.logits, once.logits, rtol=1e-4, atol=1e-5)
     with pytest.raises(ValueError, match="at least 1"):
         prefill(model, ids, chunk=0)
+
+
+@pytest.mark.parametrize("setting", [dict(ratios=MIXED), dict(bavg=2.0, ratios="auto")], ids=["ratios", "auto"])
+def test_a_prompt_in_pieces_evicts_only_once_it_is_whole(setting):
+    """Between defer_eviction() and settle() re-ranks quantize but evict nothing; settle()
+    evicts with the prompt's last queries, as many chunks as the one-shot prefill does."""
+    model = tiny_llama(layers=3)
+    hqekv.patch_model(model, value_group=16, **setting)
+    ids = prompt(1536, seed=2)
+    once = hqekv.new_cache(model)
+    with torch.no_grad():
+        model(ids, cache=once)
+    cache = hqekv.new_cache(model)
+    cache.defer_eviction()
+    with torch.no_grad():
+        for start in range(0, ids.shape[1], 256):
+            model(ids[:, start : start + 256], cache=cache)
+    assert all(int(layer.n_evicted.sum()) == 0 for layer in cache.hqekv_layers)
+    assert all(int((layer.k_tier == 0).sum()) < int(layer.n_chunks.sum()) for layer in cache.hqekv_layers)
+    cache.settle()
+    evicted = sum(int(layer.n_evicted.sum()) for layer in cache.hqekv_layers)
+    assert evicted == sum(int(layer.n_evicted.sum()) for layer in once.hqekv_layers) > 0
+    assert cache.memory_report().total_bytes <= 1.01 * once.memory_report().total_bytes
+
+
+def test_generate_with_prefill_chunks_settles_the_cache_before_decoding(monkeypatch):
+    from hqekv.cache import HqeKVCache
+
+    calls = []
+    settle = HqeKVCache.settle
+    monkeypatch.setattr(HqeKVCache, "settle", lambda self: (calls.append(self.holds_tokens), settle(self))[1])
+    model = tiny_llama()
+    hqekv.patch_model(model, ratios=MIXED, value_group=16)
+    with torch.no_grad():
+        out = model.generate(prompt(600), max_new_tokens=4, do_sample=False, prefill_chunk_size=128,
+                             return_dict_in_generate=True)  # fmt: skip
+    assert calls == [True]
+    assert sum(int(layer.n_evicted.sum()) for layer in out.cache.hqekv_layers) > 0
+    assert not any(layer.deferring for layer in out.cache.hqekv_layers)

@@ -154,3 +154,31 @@ def test_config_key_ratios_are_checked_and_round_trip():
         HqeKVConfig(ratios=values, key_ratios=keys, bavg=3.2)
     with pytest.raises(ValueError, match="evicted shares must be equal"):
         HqeKVConfig(ratios=values, key_ratios=TierRatios(int4=0.6, int2=0.4), bavg=2.6)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_floors_keep_tiers_down_and_give_every_place_of_a_tier_to_a_chunk_that_can_take_it(seed):
+    """Chunks held low by earlier re-ranks never rise, and the places they cannot take go to
+    the next best chunks: each tier holds its count, so the bytes are those of the ratios."""
+    gen = torch.Generator().manual_seed(seed)
+    b, c = 2, 40
+    score_k, score_v = torch.rand(b, c, generator=gen), torch.rand(b, c, generator=gen)
+    valid = torch.ones(b, c, dtype=torch.bool)
+    floor_k = torch.randint(0, 4, (b, c), generator=gen) * (torch.rand(b, c, generator=gen) < 0.3)
+    floor_v = torch.randint(0, 4, (b, c), generator=gen) * (torch.rand(b, c, generator=gen) < 0.3)
+    ratios = TierRatios(int4=0.3, int2=0.3, int1=0.2, evict=0.2)
+    k, v = assign_tiers(score_k, score_v, valid, ratios, fp16_k=floor_k == FP16, fp16_v=floor_v == FP16,
+                        floor_k=floor_k, floor_v=floor_v)  # fmt: skip
+    plain_k, _ = assign_tiers(score_k, score_v, valid, ratios, fp16_k=floor_k == FP16, fp16_v=floor_v == FP16)
+    counts = tier_counts(torch.full((b,), c - 2), ratios)
+    for tiers, floor in ((k, floor_k), (v, floor_v)):
+        kept = tiers != EVICTED
+        assert (tiers[kept] >= floor[kept]).all()
+        for row in range(b):
+            n_fp16 = int((floor[row][kept[row]] == FP16).sum())
+            if n_fp16 >= 2 + counts[row, FP16]:  # enough chunks can still be FP16
+                assert int((tiers[row] == FP16).sum()) == 2 + counts[row, FP16]
+            for t in (INT4, INT2):
+                can = int((kept[row] & (floor[row] <= t)).sum()) - int((tiers[row] < t).sum())
+                assert int((tiers[row] == t).sum()) == min(int(counts[row, t]), can)
+    assert torch.equal(k == EVICTED, plain_k == EVICTED)  # floors move tiers, not the evicted set
