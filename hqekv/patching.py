@@ -461,6 +461,8 @@ def _prepare_forward(wrapper: _DecoderForward, args, kwargs) -> tuple[dict, HqeK
     if record is not None:
         record.last_cache = weakref.ref(cache)
     if cache.holds_tokens:
+        if n_new == 1:
+            cache.settle()  # a decode step: a prompt that came in pieces is whole (a no-op otherwise)
         cache.maintain()
         _decode_inputs(arguments, cache, n_new, batch, device)
     return arguments, cache, n_new

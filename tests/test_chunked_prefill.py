@@ -157,12 +157,31 @@ def test_generate_with_prefill_chunks_settles_the_cache_before_decoding(monkeypa
 
     calls = []
     settle = HqeKVCache.settle
-    monkeypatch.setattr(HqeKVCache, "settle", lambda self: (calls.append(self.holds_tokens), settle(self))[1])
+    monkeypatch.setattr(
+        HqeKVCache, "settle", lambda self: (calls.append(any(x.deferring for x in self.hqekv_layers)), settle(self))[1]
+    )
     model = tiny_llama()
     hqekv.patch_model(model, ratios=MIXED, value_group=16)
     with torch.no_grad():
         out = model.generate(prompt(600), max_new_tokens=4, do_sample=False, prefill_chunk_size=128,
                              return_dict_in_generate=True)  # fmt: skip
-    assert calls == [True]
+    assert calls[0] and not any(calls[1:])  # the end of the prompt settled it, before the decode steps
     assert sum(int(layer.n_evicted.sum()) for layer in out.cache.hqekv_layers) > 0
     assert not any(layer.deferring for layer in out.cache.hqekv_layers)
+
+
+def test_a_decode_step_settles_a_prompt_whose_loop_forgot_to():
+    """A loop of one's own that defers eviction and decodes without settle(): the first
+    one-token forward settles, so the budget is not exceeded for the rest of the request."""
+    model = tiny_llama()
+    hqekv.patch_model(model, ratios=MIXED, value_group=16)
+    ids = prompt(1024, seed=4)
+    cache = hqekv.new_cache(model)
+    cache.defer_eviction()
+    with torch.no_grad():
+        for start in range(0, 1024, 256):
+            model(ids[:, start : start + 256], cache=cache)
+        assert sum(int(layer.n_evicted.sum()) for layer in cache.hqekv_layers) == 0
+        model(ids[:, -1:], cache=cache)
+    assert not any(layer.deferring for layer in cache.hqekv_layers)
+    assert sum(int(layer.n_evicted.sum()) for layer in cache.hqekv_layers) > 0
