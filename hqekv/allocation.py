@@ -139,11 +139,11 @@ def distortions(
             d_k[:, c0:c1, t] = (k_err * k_weight).sum((2, 3, 4))
             v_err = tier_error(v_chunks, t, False, value_group, meta_dtype).reshape(b, nc, hkv, gs, d)
             d_v[:, c0:c1, t] = (v_err.sum(-1) * v_weight).sum((2, 3))
-        p_chunks = p.reshape(b, hkv, g, m, nc, gs)
         if error_model == "retrieval":
             d_evict[:, c0:c1] = (p * spread).reshape(b, hkv, g, m, nc, gs).sum((1, 2, 3, 5))
         else:
             # (P_q o_q − Σ_{n∈c} p_qn v_n) / (1 − P_q) per query, chunk and head
+            p_chunks = p.reshape(b, hkv, g, m, nc, gs)
             mass = p_chunks.sum(-1)  # (B, Hkv, g, m, nc)
             held = torch.einsum("bhgmcs,bhcsd->bhgmcd", p_chunks, v.reshape(b, hkv, nc, gs, d))
             shift = (mass[..., None] * out[:, :, :, :, None, :] - held).square().sum(-1)

@@ -493,6 +493,11 @@ class _PrepareCache:
         return original(self.model, generation_config, model_kwargs, *args, **kwargs)
 
 
+def _passed_cache(kwargs: dict):
+    """The cache in keyword arguments, under either name (:data:`CACHE_ARGUMENTS`), or None."""
+    return next((kwargs[name] for name in CACHE_ARGUMENTS if kwargs.get(name) is not None), None)
+
+
 class _PrepareInputs:
     """``prepare_inputs_for_generation``: the original, then, over a cache that holds tokens,
     the cache's eager step (:meth:`HqeKVCache.maintain`) outside the forward that
@@ -505,7 +510,7 @@ class _PrepareInputs:
     def __call__(self, *args, **kwargs):
         prepare = self.original or type(self.model).prepare_inputs_for_generation.__get__(self.model)
         inputs = prepare(*args, **kwargs)
-        cache = next((inputs.get(name) for name in CACHE_ARGUMENTS if inputs.get(name) is not None), None)
+        cache = _passed_cache(inputs)
         if isinstance(cache, HqeKVCache) and cache.holds_tokens:
             cache.maintain()
             mask, ids = inputs.get("attention_mask"), inputs.get("input_ids")
@@ -541,7 +546,7 @@ class _EagerPrefill:
         if not generation_config.disable_compile:
             generation_config = copy.copy(generation_config)
             generation_config.disable_compile = True  # read by _valid_auto_compile_criteria
-        cache = next((model_kwargs.get(name) for name in CACHE_ARGUMENTS if model_kwargs.get(name) is not None), None)
+        cache = _passed_cache(model_kwargs)
         if not isinstance(cache, HqeKVCache):
             return prefill(input_ids, generation_config, model_kwargs, *args, **kwargs)
         cache.defer_eviction()
