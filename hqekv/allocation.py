@@ -41,8 +41,8 @@ from dataclasses import dataclass
 
 import torch
 
-from . import importance, quantization
-from .tiers import EVICTED, FP16, INT1, QUANTIZED_TIERS, TIERS
+from . import quantization
+from .tiers import EVICTED, FP16, INT1, QUANTIZED_TIERS, TIERS, TILE_CHUNKS
 
 ERROR_MODEL = "retrieval"
 """How :func:`distortions` weighs errors by attention: "retrieval" (the default) or "output"."""
@@ -77,11 +77,6 @@ def tier_error(
     return (back - x).square()
 
 
-TILE_CHUNKS = 64
-"""Chunks :func:`distortions` works on at a time: its transient memory is that of a tile
-(2048 tokens), not of the whole layer, however long the cache."""
-
-
 def distortions(
     probs: torch.Tensor,
     queries: torch.Tensor,
@@ -102,53 +97,88 @@ def distortions(
     tokens being the chunks (the rest, the tail, is attended but not allocated).
     -> d_k, d_v (B, C, 4) float32 for keys / values at FP16, 4, 2, 1 bit (FP16: 0),
     d_evict (B, C) float32, and the energy (B,) of the window outputs, Σ‖o_q‖². Sums over
-    query heads and window queries. Works on ``tile`` chunks at a time.
+    query heads and window queries. Works on ``tile`` chunks at a time (a cache too long to
+    hold dequantized goes through :func:`window_outputs` and :func:`tile_distortions` tile
+    by tile instead).
+    """
+    n, step = probs.shape[-1], tile * chunk_size
+    out = sum(  # o_q: (B, Hkv, g, m, D)
+        window_outputs(probs[..., t : t + step], values[:, :, t : t + step]) for t in range(0, n, step)
+    )
+    b = keys.shape[0]
+    d_k, d_v = keys.new_zeros(2, b, n_chunks, 4, dtype=torch.float32)
+    d_evict = keys.new_zeros(b, n_chunks, dtype=torch.float32)
+    for c0 in range(0, n_chunks, tile):
+        c1 = min(c0 + tile, n_chunks)
+        tokens = slice(c0 * chunk_size, c1 * chunk_size)
+        d_k[:, c0:c1], d_v[:, c0:c1], d_evict[:, c0:c1] = tile_distortions(
+            probs[..., tokens], queries, keys[:, :, tokens], values[:, :, tokens], out, chunk_size, scaling,
+            value_group, meta_dtype, error_model,
+        )  # fmt: skip
+    return d_k, d_v, d_evict, out.square().sum((1, 2, 3, 4))
+
+
+def window_outputs(probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """The window queries' attention outputs over some tokens: probs (B, Hkv, g, m, n) float32,
+    values (B, Hkv, n, D) -> (B, Hkv, g, m, D) float32; summed over the tiles of a cache, the
+    outputs o_q :func:`tile_distortions` needs."""
+    return torch.einsum("bhgmn,bhnd->bhgmd", probs, values.float())
+
+
+def tile_distortions(
+    probs: torch.Tensor,
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    out: torch.Tensor,
+    chunk_size: int,
+    scaling: float,
+    value_group: int,
+    meta_dtype: torch.dtype,
+    error_model: str = "retrieval",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`distortions` of the nc whole chunks of one tile of a cache.
+
+    probs (B, Hkv, g, m, n) float32: the window probabilities of the tile's n = nc·G tokens
+    (normalized over the whole cache); queries (B, Hkv·g, m, D); keys, values (B, Hkv, n, D);
+    out (B, Hkv, g, m, D): the window outputs over the whole cache (:func:`window_outputs`).
+    -> d_k, d_v (B, nc, 4), d_evict (B, nc) float32.
     """
     b, hkv, g, m, n = probs.shape
-    c, gs = n_chunks, chunk_size
-    d = keys.shape[-1]
+    d, gs = keys.shape[-1], chunk_size
+    nc = n // gs
     q2 = queries.float().reshape(b, hkv, g, m, d).square()
-    step = tile * gs
-    out = sum(  # o_q: (B, Hkv, g, m, D)
-        torch.einsum("bhgmn,bhnd->bhgmd", probs[..., t : t + step], values[:, :, t : t + step].float())
-        for t in range(0, n, step)
-    )
+    p, v = probs, values.float()
+    p2 = p.square() if error_model == "output" else p
+    # ‖v_n − o_q‖² for every query and token
     out_sq = out.square().sum(-1)[..., None]
-    d_k, d_v = keys.new_zeros(2, b, c, 4, dtype=torch.float32)
-    d_evict = keys.new_zeros(b, c, dtype=torch.float32)
-    for c0 in range(0, c, tile):
-        c1 = min(c0 + tile, c)
-        tokens = slice(c0 * gs, c1 * gs)
-        p, v = probs[..., tokens], values[:, :, tokens].float()
-        p2 = p.square() if error_model == "output" else p
-        # ‖v_n − o_q‖² for every query and token
-        spread = (v.square().sum(-1)[:, :, None, None, :] - 2 * torch.einsum("bhnd,bhgmd->bhgmn", v, out) + out_sq)
-        spread = spread.clamp(min=0)
-        key_weight = torch.einsum("bhgmn,bhgmd->bhnd", p2 * spread, q2) * scaling**2  # (B, Hkv, n, D)
-        value_weight = p2.sum((2, 3))  # (B, Hkv, n)
-        nc = c1 - c0
+    spread = (v.square().sum(-1)[:, :, None, None, :] - 2 * torch.einsum("bhnd,bhgmd->bhgmn", v, out) + out_sq)
+    spread = spread.clamp(min=0)
+    key_weight = torch.einsum("bhgmn,bhgmd->bhnd", p2 * spread, q2) * scaling**2  # (B, Hkv, n, D)
+    value_weight = p2.sum((2, 3))  # (B, Hkv, n)
 
-        def chunked(x: torch.Tensor) -> torch.Tensor:  # (B, Hkv, n, ...) -> (B, nc, Hkv, G, ...)
-            return x.reshape(b, hkv, nc, gs, *x.shape[3:]).transpose(1, 2)
+    def chunked(x: torch.Tensor) -> torch.Tensor:  # (B, Hkv, n, ...) -> (B, nc, Hkv, G, ...)
+        return x.reshape(b, hkv, nc, gs, *x.shape[3:]).transpose(1, 2)
 
-        k_chunks = chunked(keys[:, :, tokens]).reshape(b * nc, hkv, gs, d)
-        v_chunks = chunked(v).reshape(b * nc, hkv, gs, d)
-        k_weight, v_weight = chunked(key_weight), chunked(value_weight)
-        for t in QUANTIZED_TIERS:
-            k_err = tier_error(k_chunks, t, True, value_group, meta_dtype).reshape(b, nc, hkv, gs, d)
-            d_k[:, c0:c1, t] = (k_err * k_weight).sum((2, 3, 4))
-            v_err = tier_error(v_chunks, t, False, value_group, meta_dtype).reshape(b, nc, hkv, gs, d)
-            d_v[:, c0:c1, t] = (v_err.sum(-1) * v_weight).sum((2, 3))
-        if error_model == "retrieval":
-            d_evict[:, c0:c1] = (p * spread).reshape(b, hkv, g, m, nc, gs).sum((1, 2, 3, 5))
-        else:
-            # (P_q o_q − Σ_{n∈c} p_qn v_n) / (1 − P_q) per query, chunk and head
-            p_chunks = p.reshape(b, hkv, g, m, nc, gs)
-            mass = p_chunks.sum(-1)  # (B, Hkv, g, m, nc)
-            held = torch.einsum("bhgmcs,bhcsd->bhgmcd", p_chunks, v.reshape(b, hkv, nc, gs, d))
-            shift = (mass[..., None] * out[:, :, :, :, None, :] - held).square().sum(-1)
-            d_evict[:, c0:c1] = (shift / (1 - mass).clamp(min=1e-6).square()).sum((1, 2, 3))
-    return d_k, d_v, d_evict, out.square().sum((1, 2, 3, 4))
+    k_chunks = chunked(keys).reshape(b * nc, hkv, gs, d)
+    v_chunks = chunked(v).reshape(b * nc, hkv, gs, d)
+    k_weight, v_weight = chunked(key_weight), chunked(value_weight)
+    d_k, d_v = keys.new_zeros(2, b, nc, 4, dtype=torch.float32)
+    for t in QUANTIZED_TIERS:
+        k_err = tier_error(k_chunks, t, True, value_group, meta_dtype).reshape(b, nc, hkv, gs, d)
+        d_k[:, :, t] = (k_err * k_weight).sum((2, 3, 4))
+        v_err = tier_error(v_chunks, t, False, value_group, meta_dtype).reshape(b, nc, hkv, gs, d)
+        d_v[:, :, t] = (v_err.sum(-1) * v_weight).sum((2, 3))
+    if error_model == "retrieval":
+        d_evict = (p * spread).reshape(b, hkv, g, m, nc, gs).sum((1, 2, 3, 5))
+    else:
+        # (P_q o_q − Σ_{n∈c} p_qn v_n) / (1 − P_q) per query, chunk and head
+        p_chunks = p.reshape(b, hkv, g, m, nc, gs)
+        mass = p_chunks.sum(-1)  # (B, Hkv, g, m, nc)
+        held = torch.einsum("bhgmcs,bhcsd->bhgmcd", p_chunks, v.reshape(b, hkv, nc, gs, d))
+        shift = (mass[..., None] * out[:, :, :, :, None, :] - held).square().sum(-1)
+        d_evict = (shift / (1 - mass).clamp(min=1e-6).square()).sum((1, 2, 3))
+    return d_k, d_v, d_evict
 
 
 def chunk_bytes(
@@ -236,16 +266,6 @@ def allocate(
     tk, tv, evict, _ = choose(hi)
     gone = evict | ~valid
     return tk.masked_fill(gone, EVICTED), tv.masked_fill(gone, EVICTED)
-
-
-def chunk_importance_scores(
-    probs: torch.Tensor, visible: torch.Tensor, values: torch.Tensor, n_chunks: int, chunk_size: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The paper's chunk scores (SPEC §1.2) from window probabilities: score_k, score_v (B, C)."""
-    weights = importance.per_token_attention(probs, visible)
-    metric_k, metric_v = importance.token_metrics(weights, values)
-    n = n_chunks * chunk_size
-    return importance.chunk_scores(metric_k[:, :n], chunk_size), importance.chunk_scores(metric_v[:, :n], chunk_size)
 
 
 @dataclass

@@ -67,6 +67,11 @@ list that reordering rows, copying a layer and byte accounting all read."""
 _ROW_STATE = tuple(name for names in _ROW_PARTS.values() for name in names)
 
 
+def _finite(x: torch.Tensor) -> bool:
+    """Whether ``x`` holds no NaN and no infinity (its extremes do: a NaN propagates to both)."""
+    return x.numel() == 0 or bool(torch.isfinite(torch.stack(torch.aminmax(x))).all())
+
+
 class HqeKVLayer(RowStateLayer):
     """One attention layer's mixed-precision cache (SPEC §1.3–§1.4).
 
@@ -446,68 +451,88 @@ class HqeKVLayer(RowStateLayer):
             table[rows, dest] = value
         self.n_chunks += ok.sum(1)
 
-    def chunk_importance(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def chunk_importance(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Importance of every kept chunk from the window queries (SPEC §1.2).
 
-        -> keys, values (B, H, C·G + G, D) as :meth:`physical_cache` returns them, and
-        score_k, score_v (B, C) float32 chunk scores in the order of :meth:`live_table`. The
-        scores do not depend on ``config.rotation`` (beyond rounding): q·k is invariant and
-        range(V) is taken in the model's basis.
+        -> score_k, score_v (B, C) float32 chunk scores in the order of :meth:`live_table`.
+        The cache is read a tile at a time (:meth:`window_tiles`). The scores do not depend
+        on ``config.rotation`` (beyond rounding): q·k is invariant and range(V) is taken in
+        the model's basis.
         """
         g = self.config.chunk_size
-        keys, values, positions, valid = self._finite_physical_cache()
-        table = self.live_table()
-        weights = importance.window_attention(
-            self.win_q, self.win_pos, self.win_valid, keys, positions, valid, self.scaling
-        )
-        # range(V) in the model's basis: the rotation changes what the quantizers see, not the ranking
-        metric_k, metric_v = importance.token_metrics(weights, unrotate(values, self.rotation))
-        c = table.chunk_pos.shape[1]
-        score_k = importance.chunk_scores(metric_k[:, : c * g], g)
-        score_v = importance.chunk_scores(metric_v[:, : c * g], g)
+        chunk_pos = self.live_table().chunk_pos
+        c = chunk_pos.shape[1]
+        score_k, score_v = torch.zeros(2, *chunk_pos.shape, device=self.device)
+        for start, _, values, probs, visible in self.window_tiles():
+            if start < c:
+                nc = values.shape[2] // g
+                score_k[:, start : start + nc], score_v[:, start : start + nc] = importance.chunk_importance_scores(
+                    probs, visible, unrotate(values, self.rotation), nc, g
+                )
         if self.config.importance == "random":
-            score_k, score_v = importance.random_scores(table.chunk_pos, self.layer_idx or 0)
-        return keys, values, score_k, score_v
+            score_k, score_v = importance.random_scores(chunk_pos, self.layer_idx or 0)
+        return score_k, score_v
 
-    def _finite_physical_cache(self):
-        """:meth:`physical_cache`, or ``ValueError`` when it holds a NaN or an infinity."""
-        keys, values, positions, valid = self.physical_cache()
-        if not (torch.isfinite(keys).all() and torch.isfinite(values).all()):
-            raise ValueError(
-                f"non-finite (NaN/inf) key or value states in layer {self.layer_idx}: they cannot be ranked or quantized"
-            )
-        return keys, values, positions, valid
+    def dequantized_tiles(self, values: bool = True):
+        """:func:`hqekv.attention.dequantized_tiles` of this layer, each tile checked:
+        ``ValueError`` when it holds a NaN or an infinity (nothing can be ranked or quantized)."""
+        for start, keys, vals, positions, valid in attention.dequantized_tiles(
+            self.pools, self.live_table(), self.tail_k, self.tail_v, self.tail_len, self.n_chunks,
+            self.config.chunk_size, self.value_group, self.dtype, values,
+        ):  # fmt: skip
+            if not (_finite(keys) and (vals is None or _finite(vals))):
+                raise ValueError(
+                    f"non-finite (NaN/inf) key or value states in layer {self.layer_idx}: they cannot be ranked or "
+                    "quantized"
+                )
+            yield start, keys, vals, positions, valid
 
-    def choices(self, provisional: bool = False) -> tuple[torch.Tensor, torch.Tensor, "allocation.LayerChoices"]:
+    def window_tiles(self):
+        """The window queries' probabilities over this layer's cache, a tile at a time
+        (:func:`hqekv.importance.window_tiles`): yields (start, keys, values, probs, visible);
+        start is the tile's first table column, C for the tail."""
+        lse = importance.window_lse(self.win_q, self.win_pos, self.win_valid, self.dequantized_tiles(False), self.scaling)
+        return importance.window_tiles(self.win_q, self.win_pos, self.win_valid, self.dequantized_tiles(), self.scaling, lse)
+
+    def choices(self, provisional: bool = False) -> "allocation.LayerChoices":
         """What the rate-distortion allocator chooses from (``allocation="rate-distortion"``,
-        :mod:`hqekv.allocation`).
+        :mod:`hqekv.allocation`): the :class:`~hqekv.allocation.LayerChoices` of every chunk
+        of :meth:`live_table`.
 
-        -> keys, values (B, H, C·G + G, D) as :meth:`physical_cache` returns them, and the
-        :class:`~hqekv.allocation.LayerChoices` of every chunk of :meth:`live_table`. The
-        budget of a row is its share of ``bavg`` bits per element of all the chunks it has
-        seen, evicted ones included (``provisional``: :data:`~hqekv.allocation.PROVISIONAL`
+        The budget of a row is its share of ``bavg`` bits per element of all the chunks it
+        has seen, evicted ones included (``provisional``: :data:`~hqekv.allocation.PROVISIONAL`
         times that); the top ``protected_chunks`` under either importance metric are never
-        evicted.
+        evicted. Two passes over the cache a tile at a time: the window outputs and
+        importance, then the distortions.
         """
         cfg, g = self.config, self.config.chunk_size
-        keys, values, positions, valid = self._finite_physical_cache()
         table = self.live_table()
-        c = table.chunk_pos.shape[1]
-        probs, visible = importance.window_probabilities(
-            self.win_q, self.win_pos, self.win_valid, keys, positions, valid, self.scaling
-        )
-        score_k, score_v = allocation.chunk_importance_scores(probs, visible, unrotate(values, self.rotation), c, g)
+        b, c = table.chunk_pos.shape
+        score_k, score_v = torch.zeros(2, b, c, device=self.device)
+        out = 0.0
+        for start, _, values, probs, visible in self.window_tiles():
+            out = out + allocation.window_outputs(probs, values)
+            if start < c:
+                nc = values.shape[2] // g
+                score_k[:, start : start + nc], score_v[:, start : start + nc] = importance.chunk_importance_scores(
+                    probs, visible, unrotate(values, self.rotation), nc, g
+                )
+        d_k, d_v = torch.zeros(2, b, c, 4, device=self.device)
+        d_evict = torch.zeros(b, c, device=self.device)
+        for start, keys, values, probs, _ in self.window_tiles():
+            if start < c:
+                cols = slice(start, start + values.shape[2] // g)
+                d_k[:, cols], d_v[:, cols], d_evict[:, cols] = allocation.tile_distortions(
+                    probs, self.win_q, keys, values, out, g, self.scaling, self.value_group, self.meta_dtype,
+                    allocation.ERROR_MODEL,
+                )  # fmt: skip
         chunks = table.chunk_pos >= 0
         evictable = chunks
         for scores in (score_k, score_v):
             evictable = evictable & (policy.descending_rank(scores, chunks) >= cfg.protected_chunks)
-        d_k, d_v, d_evict, energy = allocation.distortions(
-            probs, self.win_q, keys, values, c, g, self.scaling, self.value_group, self.meta_dtype,
-            allocation.ERROR_MODEL,
-        )  # fmt: skip
         budget = self.fair_budget() * self.budget_share * (allocation.PROVISIONAL if provisional else 1.0)
-        found = allocation.LayerChoices(d_k, d_v, d_evict, table.k_tier, table.v_tier, evictable, budget, energy)
-        return keys, values, found
+        energy = out.square().sum((1, 2, 3, 4))
+        return allocation.LayerChoices(d_k, d_v, d_evict, table.k_tier, table.v_tier, evictable, budget, energy)
 
     def fair_budget(self) -> torch.Tensor:
         """Bytes per row that ``bavg`` bits per element of every chunk the row has seen (evicted
@@ -577,7 +602,7 @@ class HqeKVLayer(RowStateLayer):
         table = self.live_table()
         cfg = self.config
         if cfg.allocation == "rate-distortion":
-            keys, values, found = self.choices(provisional)
+            found = self.choices(provisional)
             if self.deferring:
                 found.evictable = torch.zeros_like(found.evictable)
             prop_k, prop_v = allocation.allocate(
@@ -585,7 +610,7 @@ class HqeKVLayer(RowStateLayer):
                 found.evictable, found.budget,
             )  # fmt: skip
         else:
-            keys, values, score_k, score_v = self.chunk_importance()
+            score_k, score_v = self.chunk_importance()
             prop_k, prop_v = rerank.propose(
                 cfg, score_k, score_v, table, self.n_chunks, self.n_evicted, cfg.ratios, cfg.key_ratios
             )
@@ -595,29 +620,22 @@ class HqeKVLayer(RowStateLayer):
         here = rows[:, None] & (table.chunk_pos >= 0)
         new_k = torch.where(here, prop_k, table.k_tier)
         new_v = torch.where(here, prop_v, table.v_tier)
-        self.apply_tiers(table, new_k, new_v, keys, values)
+        self.apply_tiers(table, new_k, new_v)
         self.since_rerank.masked_fill_(rows, 0)
         if provisional and cfg.allocation == "rate-distortion":
             new_k, new_v = torch.maximum(table.k_tier, new_k), torch.maximum(table.v_tier, new_v)
             kept = (table.chunk_pos >= 0) & (new_k != EVICTED)
             self.pending = found.kept(kept, new_k, new_v)
 
-    def apply_tiers(self, table: ChunkTable, new_k: torch.Tensor, new_v: torch.Tensor, keys=None, values=None) -> None:
+    def apply_tiers(self, table: ChunkTable, new_k: torch.Tensor, new_v: torch.Tensor) -> None:
         """Move the chunks of ``table`` (this layer's live table) to ``new_k``, ``new_v`` (B, C),
-        each at its tier or below, re-quantized from their dequantized values ``keys``,
-        ``values`` (as :meth:`physical_cache` returns them; read when not given)."""
-        g = self.config.chunk_size
-        b, c = table.chunk_pos.shape
-        if keys is None:
-            keys, values, _, _ = self.physical_cache()
+        each at its tier or below; those that move are re-quantized from their dequantized
+        values, a tile of them at a time."""
         new_k = torch.maximum(table.k_tier, new_k)
         new_v = torch.maximum(table.v_tier, new_v)
         evicted = (table.chunk_pos >= 0) & (new_k == EVICTED)
-        dense = {
-            component: x[:, :, : c * g].reshape(b, self.num_kv_heads, c, g, self.head_dim).transpose(1, 2)
-            for component, x in ((KEY, keys), (VALUE, values))
-        }
-        self.set_chunks(*rerank.rebuild(table, self.pools, new_k, new_v, dense, self.value_group, self.meta_dtype))
+        read = attention.read_chunks(self.pools, table, self.value_group, self.dtype)
+        self.set_chunks(*rerank.rebuild(table, self.pools, new_k, new_v, read, self.value_group, self.meta_dtype))
         self.n_evicted += evicted.sum(1)
 
     # --- accounting ----------------------------------------------------------------------------

@@ -197,7 +197,8 @@ class CompressionObjective:
         self.scores = []  # per HqeKV layer: score_k, score_v (1, C)
         self.encoded = []  # per HqeKV layer: keys, values {tier: every chunk at that tier}
         for layer in cache.hqekv_layers:  # sliding-window layers stay exact (hqekv.sliding)
-            keys, values, score_k, score_v = layer.chunk_importance()
+            score_k, score_v = layer.chunk_importance()
+            keys, values, _, _ = layer.physical_cache()
             c = layer.chunk_pos.shape[1]
             if not bool((layer.k_tier == 0).all()) or c * g > keys.shape[2]:
                 raise AssertionError("the FP16 prefill must hold every chunk in FP16")

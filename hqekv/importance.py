@@ -21,6 +21,13 @@ def window_probabilities(
     -> probs (B, Hkv, Hq/Hkv, m, N) float32, 0 where a query cannot see a token (a query
     that sees nothing is all 0), and visible (B, m, N) bool.
     """
+    return _window_probabilities(queries, query_pos, query_valid, keys, key_pos, key_valid, scaling, None)
+
+
+def _window_logits(queries, query_pos, query_valid, keys, key_pos, key_valid, scaling):
+    """Yields each KV head's masked logits (B, g, m, N) float32 (-inf where a query cannot
+    see a token), after the visibility (B, m, N) bool: the temporaries are a head's, not the
+    layer's."""
     b, hq, m, d = queries.shape
     hkv = keys.shape[1]
     if hq % hkv:
@@ -31,12 +38,57 @@ def window_probabilities(
         & query_valid[:, :, None]
         & (key_pos[:, None, :] <= query_pos[:, :, None])
     )  # (B, m, N)
-    probs = q.new_empty(b, hkv, hq // hkv, m, keys.shape[2])
-    for h in range(hkv):  # one KV head at a time: the temporaries are a head's, not the layer's
+    yield visible
+    for h in range(hkv):
         logits = torch.einsum("bgmd,bnd->bgmn", q[:, h], keys[:, h].float()) * scaling
-        logits = logits.masked_fill(~visible[:, None], -float("inf"))
-        probs[:, h] = torch.softmax(logits, dim=-1).nan_to_num(0.0)
+        yield logits.masked_fill(~visible[:, None], -float("inf"))
+
+
+def _window_probabilities(queries, query_pos, query_valid, keys, key_pos, key_valid, scaling, lse):
+    """:func:`window_probabilities`; with ``lse`` (B, Hkv, g, m), normalized by it instead of
+    over ``keys`` alone (``keys`` being one tile of the cache)."""
+    b, hq, m, _ = queries.shape
+    hkv = keys.shape[1]
+    heads = _window_logits(queries, query_pos, query_valid, keys, key_pos, key_valid, scaling)
+    visible = next(heads)
+    probs = queries.new_empty(b, hkv, hq // hkv, m, keys.shape[2], dtype=torch.float32)
+    for h, logits in enumerate(heads):
+        if lse is None:
+            probs[:, h] = torch.softmax(logits, dim=-1).nan_to_num(0.0)
+        else:  # a query that sees nothing has lse -inf: its probabilities are 0, not NaN
+            probs[:, h] = torch.exp(logits - lse[:, h, ..., None]).nan_to_num(0.0)
     return probs, visible
+
+
+def window_lse(queries, query_pos, query_valid, tiles, scaling) -> torch.Tensor:
+    """The log of each window query's softmax denominator over a cache given tile by tile.
+
+    queries, query_pos, query_valid as :func:`window_probabilities`; ``tiles``: an iterable of
+    (start, keys, values, key_pos, key_valid) as :func:`window_probabilities` takes the keys
+    (values unused, may be None). -> (B, Hkv, g, m) float32, -inf for a query that sees nothing.
+    """
+    total = None
+    for _, keys, _, key_pos, key_valid in tiles:
+        heads = _window_logits(queries, query_pos, query_valid, keys, key_pos, key_valid, scaling)
+        next(heads)
+        lse = torch.stack([torch.logsumexp(logits, dim=-1) for logits in heads], dim=1)
+        total = lse if total is None else torch.logaddexp(total, lse)
+    return total
+
+
+def window_tiles(queries, query_pos, query_valid, tiles, scaling, lse):
+    """:func:`window_probabilities` over a cache given tile by tile, never held whole.
+
+    ``tiles`` as :func:`window_lse` takes them (values needed), ``lse`` what it returned for
+    the same cache. Yields (start, keys, values, probs, visible) per tile: probs (B, Hkv, g,
+    m, n) float32 and visible (B, m, n) of the tile's n tokens, as :func:`window_probabilities`
+    gives those columns for the whole cache (up to rounding).
+    """
+    for start, keys, values, key_pos, key_valid in tiles:
+        probs, visible = _window_probabilities(
+            queries, query_pos, query_valid, keys, key_pos, key_valid, scaling, lse
+        )  # fmt: skip
+        yield start, keys, values, probs, visible
 
 
 def window_attention(
@@ -98,3 +150,13 @@ def random_scores(chunk_pos: torch.Tensor, layer: int) -> tuple[torch.Tensor, to
         h = (h ^ (h >> 13)) * 0x165667B1 % (1 << 31)
         out.append((h ^ (h >> 16)).to(torch.float32) / float(1 << 31))
     return out[0], out[1]
+
+
+def chunk_importance_scores(
+    probs: torch.Tensor, visible: torch.Tensor, values: torch.Tensor, n_chunks: int, chunk_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The paper's chunk scores (SPEC §1.2) from window probabilities: score_k, score_v (B, C)."""
+    weights = per_token_attention(probs, visible)
+    metric_k, metric_v = token_metrics(weights, values)
+    n = n_chunks * chunk_size
+    return chunk_scores(metric_k[:, :n], chunk_size), chunk_scores(metric_v[:, :n], chunk_size)

@@ -14,6 +14,7 @@ Nothing here keeps state: each takes tensors and returns tensors. The layer
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -21,7 +22,7 @@ import torch
 from . import policy
 from .config import HqeKVConfig, TierRatios
 from .pools import KEY, VALUE, ComponentPools, QuantizedPool, encode_chunks
-from .tiers import EVICTED, FP16, QUANTIZED_TIERS
+from .tiers import EVICTED, FP16, QUANTIZED_TIERS, TILE_CHUNKS
 
 
 class ChunkTable(NamedTuple):
@@ -65,23 +66,21 @@ def propose(
     )
 
 
-REQUANTIZE_BATCH = 64
-"""Chunks :func:`rebuild` re-quantizes at a time."""
-
-
 def rebuild(
     table: ChunkTable,
     pools: dict[str, ComponentPools],
     new_k: torch.Tensor,
     new_v: torch.Tensor,
-    dense: dict[str, torch.Tensor],
+    read: Callable[[str, torch.Tensor, torch.Tensor], torch.Tensor],
     value_group: int,
     meta_dtype: torch.dtype,
 ) -> tuple[ChunkTable, dict[str, ComponentPools]]:
     """Pools and tables for new tiers (B, C); EVICTED entries are dropped.
 
     Chunks that keep their tier are copied slot to slot; downgraded ones are re-quantized
-    from their dequantized values ``dense[component]`` (B, C, H, G, D). Tiers never move up.
+    from their dequantized values, ``read(component, rows, cols)`` -> (n, H, G, D) for the
+    n table entries (rows, cols), asked for :data:`~hqekv.tiers.TILE_CHUNKS` at a time.
+    Tiers never move up.
     """
     device = table.chunk_pos.device
     kept = (table.chunk_pos >= 0) & (new_k != EVICTED)
@@ -107,8 +106,8 @@ def rebuild(
             else:
                 # a batch of chunks at a time: quantizing's temporaries stay the size of a batch
                 fresh = [
-                    encode_chunks(dense[component][r, c], t, component, value_group, meta_dtype)
-                    for r, c in zip(rm.split(REQUANTIZE_BATCH), cm.split(REQUANTIZE_BATCH))
+                    encode_chunks(read(component, r, c), t, component, value_group, meta_dtype)
+                    for r, c in zip(rm.split(TILE_CHUNKS), cm.split(TILE_CHUNKS))
                 ]
                 by_tier[t] = QuantizedPool.cat([pools[component].quantized[t].select(old_slot[rs, cs]), *fresh])
         new_slots[component] = slot

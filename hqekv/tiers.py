@@ -41,3 +41,9 @@ TIER_NAMES = tuple(t.name for t in TIERS)
 TIER_CODE_BITS = tuple(t.code_bits for t in TIERS)
 TIER_FORMATS = {t: (TIERS[t].code_bits, TIERS[t].normalized) for t in QUANTIZED_TIERS}
 """Quantized tier -> (bits, normalized), the arguments of the quantize/dequantize kernels."""
+
+TILE_CHUNKS = 64
+"""Chunks a streamed pass over a layer's storage holds dequantized at a time (the CPU
+attention's tiles, the re-rank's importance, distortions and re-quantization, and
+:func:`hqekv.kernels.gather_chunks`' batches): its transient memory is that of a tile
+(2048 tokens at G = 32), not of the whole layer, however long the cache."""

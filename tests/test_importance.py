@@ -1,6 +1,13 @@
 import torch
 
-from hqekv.importance import chunk_scores, token_metrics, window_attention
+from hqekv.importance import (
+    chunk_scores,
+    token_metrics,
+    window_attention,
+    window_lse,
+    window_probabilities,
+    window_tiles,
+)
 
 
 def _naive(q, qpos, qvalid, k, kpos, kvalid, scaling):
@@ -40,6 +47,37 @@ def test_window_attention_matches_naive_loops_gqa_causal_padding():
     got = window_attention(q, qpos, qvalid, k, kpos, kvalid, 0.3)
     assert torch.allclose(got, _naive(q, qpos, qvalid, k, kpos, kvalid, 0.3), atol=1e-6)
     assert got[0, :, 2].abs().max() == 0
+
+
+def test_window_probabilities_by_tiles_are_those_of_the_whole_cache():
+    """Streamed over tiles of keys (one softmax denominator over all of them), the window
+    probabilities are the whole cache's, including a query that sees nothing (zeros)."""
+    gen = torch.Generator().manual_seed(1)
+    b, hq, hkv, m, n, d = 2, 4, 2, 3, 20, 8
+    q = torch.randn(b, hq, m, d, generator=gen) * 3
+    k = torch.randn(b, hkv, n, d, generator=gen)
+    v = torch.randn(b, hkv, n, d, generator=gen)
+    kpos = torch.arange(n).repeat(b, 1)
+    qpos = torch.tensor([[17, 18, 19], [2, 19, 19]])
+    kvalid = torch.ones(b, n, dtype=torch.bool)
+    kvalid[1, :3] = False  # row 1's first query sees nothing
+    qvalid = torch.ones(b, m, dtype=torch.bool)
+    qvalid[0, 1] = False
+    whole, visible = window_probabilities(q, qpos, qvalid, k, kpos, kvalid, 0.3)
+
+    def tiles():
+        for s0 in range(0, n, 7):
+            cut = slice(s0, s0 + 7)
+            yield s0, k[:, :, cut], v[:, :, cut], kpos[:, cut], kvalid[:, cut]
+
+    lse = window_lse(q, qpos, qvalid, tiles(), 0.3)
+    assert torch.isinf(lse[1, :, :, 0]).all() and torch.isinf(lse[0, :, :, 1]).all()
+    got = list(window_tiles(q, qpos, qvalid, tiles(), 0.3, lse))
+    assert [s0 for s0, *_ in got] == [0, 7, 14]
+    assert all(torch.equal(tv, v[:, :, s0 : s0 + 7]) for s0, _, tv, _, _ in got)
+    torch.testing.assert_close(torch.cat([p for *_, p, _ in got], -1), whole, atol=1e-6, rtol=1e-5)
+    assert torch.equal(torch.cat([vis for *_, vis in got], -1), visible)
+    assert whole[1, :, :, 0].abs().max() == 0 and torch.cat([p for *_, p, _ in got], -1)[1, :, :, 0].abs().max() == 0
 
 
 def test_metrics_and_chunk_scores():

@@ -107,7 +107,8 @@ def test_rebuild_copies_kept_tiers_requantizes_moved_chunks_and_compacts():
     dense = {c: x[:, :, : 5 * G].reshape(1, H, 5, G, D).transpose(1, 2) for c, x in ((KEY, keys), (VALUE, values))}
     new_k = torch.tensor([[FP16, INT4, EVICTED, INT1, FP16]])
     new_v = torch.tensor([[FP16, INT2, EVICTED, INT1, INT4]])
-    table2, pools2 = rerank.rebuild(table, pools, new_k, new_v, dense, GROUP, torch.float16)
+    read = attention.read_chunks(pools, table, GROUP, torch.float32)
+    table2, pools2 = rerank.rebuild(table, pools, new_k, new_v, read, GROUP, torch.float16)
     assert table2.chunk_pos.tolist() == [[0, 1, 3, 4]]
     assert table2.k_tier.tolist() == [[FP16, INT4, INT1, FP16]] and table2.v_tier.tolist() == [[FP16, INT2, INT1, INT4]]
     assert pools2[KEY].fp.shape[0] == 2 and pools2[VALUE].fp.shape[0] == 1
@@ -121,7 +122,35 @@ def test_rebuild_copies_kept_tiers_requantizes_moved_chunks_and_compacts():
                 assert torch.equal(a, b), (comp, t)
     with pytest.raises(AssertionError, match="moved up"):
         rerank.rebuild(table2, pools2, torch.zeros_like(table2.k_tier), table2.v_tier,
-                       {KEY: dense[KEY][:, :4], VALUE: dense[VALUE][:, :4]}, GROUP, torch.float16)  # fmt: skip
+                       attention.read_chunks(pools2, table2, GROUP, torch.float32), GROUP, torch.float16)  # fmt: skip
+
+
+def test_the_view_read_by_tiles_or_by_entries_is_the_dense_view_bit_for_bit():
+    chunks = prefill_chunks(7, seed=3)
+    tiers = torch.tensor([[FP16, INT4, INT2, INT1, INT2, INT4, FP16]])
+    table, pools, _ = rerank.place(torch.tensor([[0, 1, 2, 4, 5, 6, 8]]), tiers, tiers.flip(1), every_tier(chunks),
+                                   torch.float16)  # fmt: skip
+    gen = torch.Generator().manual_seed(4)
+    tail_k, tail_v = torch.randn(2, 1, H, G, D, generator=gen)
+    tail_len, n_chunks = torch.tensor([5]), torch.tensor([9])
+    keys, values, positions, valid = attention.dequantized(pools, table, tail_k, tail_v, tail_len, n_chunks, G, GROUP,
+                                                           torch.float32)  # fmt: skip
+    starts, parts = [], []
+    for start, *part in attention.dequantized_tiles(pools, table, tail_k, tail_v, tail_len, n_chunks, G, GROUP,
+                                                    torch.float32, tile=3):  # fmt: skip
+        starts.append(start)
+        parts.append(part)
+    assert starts == [0, 3, 6, 7]  # tiles of 3 table columns, then the tail
+    for whole, tiled in zip((keys, values, positions, valid), zip(*parts)):
+        assert torch.equal(torch.cat(tiled, dim=-1 if whole.dim() == 2 else 2), whole)
+    keys_only = [k for _, k, v, *_ in attention.dequantized_tiles(
+        pools, table, tail_k, tail_v, tail_len, n_chunks, G, GROUP, torch.float32, values=False, tile=3)]  # fmt: skip
+    assert torch.equal(torch.cat(keys_only, 2), keys)
+    read = attention.read_chunks(pools, table, GROUP, torch.float32)
+    rows, cols = torch.tensor([0, 0, 0]), torch.tensor([5, 1, 3])
+    for component, dense in ((KEY, keys), (VALUE, values)):
+        expected = torch.stack([dense[0, :, c * G : (c + 1) * G] for c in cols.tolist()])
+        assert torch.equal(read(component, rows, cols), expected)
 
 
 def test_propose_protects_the_top_chunks_and_gives_more_bits_to_higher_scores():

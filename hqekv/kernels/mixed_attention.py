@@ -28,7 +28,7 @@ import math
 
 import torch
 
-from ..tiers import QUANTIZED_TIERS, TIER_FORMATS
+from ..tiers import QUANTIZED_TIERS, TIER_FORMATS, TILE_CHUNKS
 from ..packing import unpack_codes
 from ..quantization import normal_tables
 from ._triton import HAVE_TRITON, INTERPRET, next_power_of_2, require_triton
@@ -40,11 +40,6 @@ if HAVE_TRITON:
 
 POOL_ORDER = ("fp16", "int4.codes", "int4.meta0", "int4.meta1", "int2.codes", "int2.meta0", "int2.meta1",
               "int1.codes", "int1.meta0", "int1.meta1")  # fmt: skip
-
-
-TILE_CHUNKS = 64
-"""Chunks dequantized at a time: a tile of :func:`_tiled_attention` (2048 tokens at G = 32),
-a batch of :func:`gather_chunks`."""
 
 
 def quantized_pool(pools: list[torch.Tensor], tier: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
