@@ -68,9 +68,34 @@ def test_a_compile_config_with_prefill_chunks_runs_them_eagerly_and_compiles_the
     counter = CompileCounterWithBackend("eager")
     config = CompileConfig(backend=lambda gm, example_inputs: counter(gm, example_inputs), mode=None, fullgraph=True)
     config._compile_all_devices = True  # transformers compiles on CUDA only unless told so
-    compiled = generate(model, ids, mask, n=70, prefill_chunk_size=64, compile_config=config)
-    assert torch.equal(compiled, eager)
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=70, min_new_tokens=70, do_sample=False,
+                             prefill_chunk_size=64, compile_config=config, return_dict_in_generate=True)  # fmt: skip
+    assert torch.equal(out.sequences[:, ids.shape[1] :], eager)
     assert counter.frame_count == 1
+    assert all(layer.static for layer in out.cache.hqekv_layers)  # a compiled request runs over static storage
+    assert all(int(layer.n_evicted.sum()) > 0 for layer in out.cache.hqekv_layers)
+
+
+def test_beam_search_over_prefill_chunks():
+    """Beams over a prompt in chunks: exact storage gives the unpatched model's beams, token
+    for token; compressed, every beam's prompt is settled before the first step (it evicts
+    as many chunks as the same beams over the prompt at once)."""
+    model = tiny_llama()
+    ids = prompt(300)
+    beams = dict(max_new_tokens=12, min_new_tokens=12, num_beams=3, do_sample=False, return_dict_in_generate=True)
+    with torch.no_grad():
+        unpatched = model.generate(ids, prefill_chunk_size=64, **beams).sequences
+        hqekv.patch_model(model, ratios=hqekv.config.FP16_RATIOS, fp_dtype="float32", metadata_dtype="float32")
+        assert torch.equal(model.generate(ids, prefill_chunk_size=64, **beams).sequences, unpatched)
+        hqekv.unpatch_model(model)
+        hqekv.patch_model(model, ratios=MIXED, value_group=16)
+        chunked = model.generate(ids, prefill_chunk_size=64, **beams).cache
+        once = model.generate(ids, **beams).cache
+    evicted = [layer.n_evicted.tolist() for layer in chunked.hqekv_layers]
+    assert evicted == [layer.n_evicted.tolist() for layer in once.hqekv_layers]
+    assert all(n > 0 for row in evicted for n in row) and len(evicted[0]) == 3
+    assert not any(layer.deferring for layer in chunked.hqekv_layers)
 
 
 def stored(model, ids, chunk):
