@@ -397,6 +397,50 @@ def find_artifact(
     raise ArtifactError(f"no artifact in {source} fits this model{wanted} with these settings; it has: {available}")
 
 
+HUB_SUFFIX = "-hqekv"
+"""The naming convention of artifact repos on the Hub: the artifacts of model ``owner/name``
+live in the repo ``owner/name-hqekv`` (:func:`hub_repo`)."""
+
+
+def hub_repo(model_id: str) -> str | None:
+    """The Hub repo where, by convention, the artifacts of Hub model ``model_id`` live
+    (``owner/name`` -> ``owner/name-hqekv``); None when ``model_id`` is not a Hub id."""
+    model_id = str(model_id or "")
+    if not _HUB_ID.match(model_id) or Path(model_id).expanduser().exists():
+        return None
+    return model_id + HUB_SUFFIX
+
+
+def _hub_cached(repo_id: str) -> Path | None:
+    """The local Hub cache's snapshot of ``repo_id``, never the network; None if there is none."""
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(repo_id, allow_patterns=[f"*{SUFFIX}", "*.json"], local_files_only=True))
+    except Exception:  # not downloaded (or no huggingface_hub): nothing cached to find
+        return None
+
+
+def find_own(model_id: str, fingerprint: str, bavg: float, settings: dict) -> Artifact | None:
+    """An artifact for this model, bavg and settings that ``patch_model`` finds by itself,
+    without the network, before the shipped ones: first among those ``hqekv calibrate``
+    wrote to ``$HQEKV_CACHE/artifacts`` (:func:`hqekv.user_cache.artifacts_dir`), then in
+    the local Hub cache's copy of the model's conventional repo (:func:`hub_repo`: present
+    once ``artifact="owner/name-hqekv"`` has downloaded it)."""
+    from .user_cache import artifacts_dir
+
+    directories = [artifacts_dir()]
+    repo = hub_repo(model_id)
+    if repo is not None:
+        directories.append(_hub_cached(repo))
+    for directory in directories:
+        if directory is not None and directory.is_dir():
+            found = _first_fitting(_directory_artifacts(directory), fingerprint, bavg, settings)
+            if found is not None:
+                return found
+    return None
+
+
 def shipped_artifacts() -> list[Path]:
     """Artifacts inside the installed package."""
     return sorted(SHIPPED_DIR.glob(f"*{SUFFIX}"))

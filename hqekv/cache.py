@@ -55,6 +55,9 @@ DEFER_EVICTION = True
 """While a prompt arrives in pieces (:meth:`HqeKVCache.defer_eviction`), re-ranks quantize but
 evict nothing until :meth:`HqeKVCache.settle` ranks with the prompt's last queries; False
 evicts at every piece's re-rank (an ablation)."""
+WAITING = "above"
+"""Under fixed ratios, the tier a chunk waits at while eviction is deferred
+(:data:`hqekv.rerank.WAITING_TIERS`): "above" the policy's, or "at" it (an ablation)."""
 
 _ROW_PARTS = {
     "tables": ("chunk_pos", "k_tier", "k_slot", "v_tier", "v_slot"),
@@ -593,8 +596,9 @@ class HqeKVLayer(RowStateLayer):
 
         Importance comes from the window queries over the current cache; chunks only move
         downward (FP16 → 4 → 2 → 1 → evicted), re-quantized from their dequantized values.
-        While ``deferring`` (a prompt in pieces), no chunk is evicted: one the policy would
-        evict waits at 1 bit for :meth:`HqeKVCache.settle`.
+        While ``deferring`` (a prompt in pieces), no chunk is evicted, and under fixed ratios
+        each chunk waits one tier above the policy's (:data:`WAITING`) for
+        :meth:`HqeKVCache.settle`.
         Under ``allocation="rate-distortion"``, ``provisional`` (a multi-token input) keeps
         the layer within :data:`~hqekv.allocation.PROVISIONAL` times its budget and leaves its
         choices in ``pending`` for :meth:`HqeKVCache.share_budget`.
@@ -614,9 +618,8 @@ class HqeKVLayer(RowStateLayer):
             prop_k, prop_v = rerank.propose(
                 cfg, score_k, score_v, table, self.n_chunks, self.n_evicted, cfg.ratios, cfg.key_ratios
             )
-            if self.deferring:  # the chunks to evict wait at the lowest tier for the prompt's end
-                gone = prop_k == EVICTED
-                prop_k, prop_v = prop_k.masked_fill(gone, INT1), prop_v.masked_fill(gone, INT1)
+            if self.deferring:  # nothing is evicted, and each chunk waits above its tier for the prompt's end
+                prop_k, prop_v = rerank.waiting(prop_k, WAITING), rerank.waiting(prop_v, WAITING)
         here = rows[:, None] & (table.chunk_pos >= 0)
         new_k = torch.where(here, prop_k, table.k_tier)
         new_v = torch.where(here, prop_v, table.v_tier)

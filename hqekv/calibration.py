@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import math
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -212,7 +213,9 @@ class CompressionObjective:
             self.scores.append((score_k, score_v))
             self.encoded.append(tuple(per_component))
         self.setup_seconds = time.perf_counter() - start
+        start = time.perf_counter()
         self.reference = self._log_probs(FP16_RATIOS)
+        self.trial_seconds = time.perf_counter() - start  # scoring the reference costs what a trial does
 
     @property
     def n_chunks(self) -> int:
@@ -347,6 +350,7 @@ class SegmentedObjective:
         self.parts = [CompressionObjective(model, c[None], n[None], **settings) for c, n in zip(contexts, continuations)]
         self.settings, self.config = self.parts[0].settings, self.parts[0].config
         self.setup_seconds = sum(p.setup_seconds for p in self.parts)
+        self.trial_seconds = sum(p.trial_seconds for p in self.parts)
 
     @property
     def n_layers(self) -> int:
@@ -712,6 +716,21 @@ def _result(study, bavg: float) -> CalibrationResult:
     )
 
 
+def calibration_cost(
+    bavgs: Sequence[float], trials: int, per_layer: bool, n_layers: int, setup_seconds: float, trial_seconds: float
+) -> tuple[int, float]:
+    """Trials :func:`calibrate` scores for ``bavgs`` and the seconds they should take, from
+    the measured seconds of one trial: ``trials`` per bavg, and with ``per_layer`` one per
+    layer and one per strength of :data:`LAYER_STRENGTHS` more. -> (trials, seconds), the
+    setup (already run) included."""
+    n = len(bavgs) * (trials + (n_layers + len(LAYER_STRENGTHS) if per_layer else 0))
+    return n, setup_seconds + n * trial_seconds
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h"
+
+
 def calibrate(
     model,
     tokenizer,
@@ -801,7 +820,18 @@ def calibrate(
     context_tokens = context_length(model, context_tokens, continuation_tokens, segments)
     text = calibration_text(tokenizer, context_tokens, continuation_tokens, segments)
     settings.setdefault("rotation", SEARCH_ROTATION)
+    say = (lambda line: print(line, file=sys.stderr, flush=True)) if progress else (lambda line: None)
+    device = next(model.parameters()).device
+    say(f"hqekv calibrate: {len(values)} bavg × {trials} trials on {device}; first each of {text.context.shape[0]} "
+        f"segments ({text.context.shape[1]} context + {text.continuation.shape[1]} continuation tokens) is prefilled "
+        "once and one trial timed")  # fmt: skip
     objective = SegmentedObjective(model, text.context, text.continuation, **settings)
+    n_trials, seconds = calibration_cost(
+        values, trials, per_layer, objective.n_layers, objective.setup_seconds, objective.trial_seconds
+    )
+    say(f"hqekv calibrate: prefill {_duration(objective.setup_seconds)}, one trial {objective.trial_seconds:.2f} s: "
+        f"{n_trials} trials, about {_duration(seconds)} in all (a study resumed from its storage runs only its "
+        "missing trials)")  # fmt: skip
     fingerprint = model_fingerprint(model)
     config = objective.config
     results = []

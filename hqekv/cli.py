@@ -59,7 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(p)
     p.add_argument("--bavg", type=float, nargs="+", required=True, help="one or more bit budgets in (0, 16] (code bits per element)")
     p.add_argument("--trials", type=int, default=DEFAULT_TRIALS, help="completed trials per bavg (default %(default)s)")
-    p.add_argument("--out", default="artifacts", help="directory for artifacts and reports (default %(default)s)")
+    p.add_argument(
+        "--out", help="directory for artifacts and reports (default $HQEKV_CACHE/artifacts, ~/.cache/hqekv/artifacts: "
+        "where patch_model finds them by itself)",
+    )  # fmt: skip
     p.add_argument(
         "--storage",
         help="Optuna storage URL; default sqlite:///OUT/study.db (resumable). Any RDB URL lets workers share studies",
@@ -98,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("split", help="per-layer budgets for the ratios of an existing artifact (no new search)")
     _add_model_args(p)
     p.add_argument("artifact", help="an artifact file of one set of ratios for --model")
-    p.add_argument("--out", default="artifacts", help="directory for the new artifact and its report (default %(default)s)")
+    p.add_argument("--out", help="directory for the new artifact and its report (default: as calibrate's)")
     p.add_argument("--threads", type=int, help="torch CPU threads")
 
     p = sub.add_parser("eval", help="score KV-cache methods on tasks at equal memory: JSON, markdown table, plots")
@@ -347,6 +350,10 @@ def main(argv: list[str] | None = None) -> int:
     from .artifacts import ArtifactError
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if args.command in ("calibrate", "split") and args.out is None:
+        from .user_cache import artifacts_dir
+
+        args.out = str(artifacts_dir())  # where patch_model finds them by itself
     try:
         check_args(args)
     except (TypeError, ValueError) as err:

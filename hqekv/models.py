@@ -24,6 +24,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from .user_cache import cache_dir
+
 SMOLLM2 = "smollm2"
 SMOLLM2_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -89,11 +91,6 @@ PACKAGED: dict[str, PackagedModel] = {
     ),
 }  # fmt: skip
 MODEL_NAMES = tuple(PACKAGED)
-
-
-def cache_dir() -> Path:
-    """Where joined model files are kept: ``$HQEKV_CACHE``, else ``~/.cache/hqekv``."""
-    return Path(os.environ.get("HQEKV_CACHE") or Path.home() / ".cache" / "hqekv")
 
 
 def _package_file(module: str, rel: str, install: str) -> Path:

@@ -130,6 +130,13 @@ def resolve_config(model, bavg=None, ratios=None, artifact=None, key_ratios=None
             ratios_source=f"artifact:{found.path}", **settings,
         )
     bavg = DEFAULT_BAVG if bavg is None else bavg
+    name = getattr(model.config, "_name_or_path", "") or model.config.model_type
+    own = artifacts.find_own(name, fingerprint, bavg, matched)
+    if own is not None:
+        return HqeKVConfig(
+            ratios=own.ratios, key_ratios=own.key_ratios, layer_ratios=own.layer_ratios, bavg=bavg,
+            ratios_source=f"artifact:{own.path}", **settings,
+        )
     shipped = artifacts.find_shipped(fingerprint, bavg, matched)
     if shipped is not None:
         return HqeKVConfig(
@@ -138,11 +145,15 @@ def resolve_config(model, bavg=None, ratios=None, artifact=None, key_ratios=None
         )
     if bavg >= MAX_BAVG:  # 16 bits: nothing to allocate, every chunk stays full precision
         return HqeKVConfig(ratios=FP16_RATIOS, bavg=bavg, ratios_source="full precision", **settings)
-    name = getattr(model.config, "_name_or_path", "") or model.config.model_type
+    from .user_cache import artifacts_dir
+
+    repo = artifacts.hub_repo(name)
+    looked = f"{artifacts_dir()}, the shipped ones" + (f" and the local Hub cache of {repo}" if repo else "")
     warnings.warn(
-        f"hqekv: no calibrated ratios for {name!r} at bavg={bavg:g}; the rate-distortion allocator chooses the "
-        f"tiers (ratios='auto': {bavg:g} real bits per element of chunk storage, metadata included). Pass "
-        "artifact=... (`hqekv calibrate`) or ratios=... to use calibrated or fixed shares.",
+        f"hqekv: no calibrated ratios for {name!r} at bavg={bavg:g} (looked in {looked}); the rate-distortion "
+        f"allocator chooses the tiers (ratios='auto': {bavg:g} real bits per element of chunk storage, metadata "
+        "included). Run `hqekv calibrate --model ...` (patch_model then finds its artifact by itself), pass "
+        "artifact=... or ratios=... to use calibrated or fixed shares.",
         UncalibratedRatiosWarning,
         stacklevel=3,
     )

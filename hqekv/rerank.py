@@ -22,7 +22,7 @@ import torch
 from . import policy
 from .config import HqeKVConfig, TierRatios
 from .pools import KEY, VALUE, ComponentPools, QuantizedPool, encode_chunks
-from .tiers import EVICTED, FP16, QUANTIZED_TIERS, TILE_CHUNKS
+from .tiers import EVICTED, FP16, INT1, INT2, INT4, QUANTIZED_TIERS, TILE_CHUNKS
 
 
 class ChunkTable(NamedTuple):
@@ -34,6 +34,23 @@ class ChunkTable(NamedTuple):
     k_slot: torch.Tensor
     v_tier: torch.Tensor
     v_slot: torch.Tensor
+
+
+WAITING_TIERS = {
+    "above": torch.tensor([FP16, INT4, INT4, INT2, INT2]),
+    "at": torch.tensor([FP16, INT4, INT2, INT1, INT1]),
+}
+"""The tier a chunk waits at, indexed by the policy's tier (FP16, 4, 2, 1 bit, evicted), while
+a prompt arrives in pieces and the question may still come (:data:`hqekv.cache.DEFER_EVICTION`):
+"above", one tier above the policy's (a chunk to evict at 2 bits), so that the prompt's last
+queries can still give most chunks the tier they choose, at about twice the bytes until
+then; "at", the policy's tier (a chunk to evict at 1 bit)."""
+
+
+def waiting(tiers: torch.Tensor, how: str) -> torch.Tensor:
+    """The tiers (B, C) chunks wait at under :data:`WAITING_TIERS` ``[how]``; -1 stays."""
+    table = WAITING_TIERS[how].to(tiers.device)
+    return torch.where(tiers >= 0, table[tiers.clamp(min=0)], tiers)
 
 
 def propose(

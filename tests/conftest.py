@@ -9,6 +9,17 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+@pytest.fixture(autouse=True)
+def own_artifacts(tmp_path, monkeypatch):
+    """Each test's own, empty ``$HQEKV_CACHE/artifacts`` (where ``patch_model`` looks for a
+    user's calibrated artifacts), so that none on this machine changes a result."""
+    import hqekv.user_cache
+
+    directory = tmp_path / "own-artifacts"
+    monkeypatch.setattr(hqekv.user_cache, "artifacts_dir", lambda: directory)
+    return directory
+
+
 def tiny_llama(seed: int = 0, layers: int = 2):
     from transformers import LlamaConfig, LlamaForCausalLM
 

@@ -334,3 +334,44 @@ def test_a_directory_takes_its_only_artifacts_bavg(tmp_path, model):
     save_artifact(tmp_path, other, metadata(model, bavg=2.8))
     with pytest.raises(ArtifactError, match="bavg 2, 2.8: pass bavg="):
         hqekv.patch_model(model, artifact=tmp_path)
+
+
+def test_own_artifacts_are_found_by_themselves_before_the_shipped_ones(tmp_path, model, monkeypatch, own_artifacts):
+    """What ``hqekv calibrate`` wrote to ``$HQEKV_CACHE/artifacts`` is used without artifact=,
+    ahead of an artifact shipped for the same model."""
+    monkeypatch.setattr(artifacts, "SHIPPED_DIR", tmp_path / "shipped")
+    save_artifact(tmp_path / "shipped", ratios_from_free(2.0, 0.1, 0.3), metadata(model))
+    own = save_artifact(own_artifacts, RATIOS, metadata(model))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        hqekv.patch_model(model, 2.0)
+    assert hqekv.patch_config(model).ratios == RATIOS
+    assert hqekv.patch_config(model).ratios_source == f"artifact:{own}"
+    hqekv.unpatch_model(model)
+    with pytest.warns(hqekv.UncalibratedRatiosWarning, match=str(own_artifacts)):  # another bavg: not found
+        hqekv.patch_model(model, 2.8)
+
+
+def test_the_conventional_hub_repo_of_a_model_is_found_in_the_hub_cache_without_the_network(tmp_path, model,
+                                                                                           monkeypatch):  # fmt: skip
+    """A model loaded as ``someone/tiny`` finds the artifacts of ``someone/tiny-hqekv`` once
+    they are in the local Hub cache; without them it says where it looked, offline."""
+    import huggingface_hub.constants as hub
+
+    assert artifacts.hub_repo("someone/tiny") == "someone/tiny-hqekv"
+    assert artifacts.hub_repo(str(tmp_path)) is None and artifacts.hub_repo("") is None
+    monkeypatch.setattr(hub, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    model.config._name_or_path = "someone/tiny"
+    with pytest.warns(hqekv.UncalibratedRatiosWarning, match="someone/tiny-hqekv"):
+        hqekv.patch_model(model, 2.0)
+    hqekv.unpatch_model(model)
+    commit = "b" * 40
+    repo = tmp_path / "hub" / "models--someone--tiny-hqekv"
+    save_artifact(repo / "snapshots" / commit, RATIOS, metadata(model))
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        hqekv.patch_model(model, 2.0)
+    assert hqekv.patch_config(model).ratios == RATIOS
+    assert "models--someone--tiny-hqekv" in hqekv.patch_config(model).ratios_source

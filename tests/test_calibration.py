@@ -7,8 +7,10 @@ import hqekv
 from hqekv import FP16_RATIOS, uncalibrated_ratios
 from hqekv.artifacts import load_artifact
 from hqekv.calibration import (
+    LAYER_STRENGTHS,
     CompressionObjective,
     calibrate,
+    calibration_cost,
     context_length,
     data_term,
     ratios_from_free,
@@ -233,3 +235,14 @@ def test_context_is_capped_to_the_models_positions():
     assert context_length(model, 100, 28) == 100
     with pytest.raises(ValueError, match="max_position_embeddings"):
         context_length(model, limit, 128)
+
+
+def test_calibrate_says_what_it_will_cost_before_the_trials(tmp_path, capsys):
+    model = tiny_llama(seed=1, layers=2)
+    calibrate(model, CharTokenizer(), [2.0, 3.0], trials=3, out=tmp_path, context_tokens=320, continuation_tokens=32,
+              model_id="tiny/llama")  # fmt: skip
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("hqekv calibrate:")]
+    assert "2 bavg × 3 trials" in lines[0] and "prefilled once" in lines[0]
+    assert "6 trials, about" in lines[1]
+    n, seconds = calibration_cost([2.0, 3.0], 3, True, 30, 10.0, 0.5)
+    assert n == 2 * (3 + 30 + len(LAYER_STRENGTHS)) and seconds == 10.0 + n * 0.5

@@ -52,3 +52,11 @@ def test_unreachable_hub_is_one_line(monkeypatch, capsys):
 def test_hub_ids_are_not_mistaken_for_missing_paths(name):
     args = cli.build_parser().parse_args(["eval", "--model", name, "--out", "x"])
     cli.check_args(args)  # no error: these load from the Hub (or its cache)
+
+
+def test_calibrate_writes_where_patch_model_looks_unless_told_otherwise(monkeypatch, own_artifacts):
+    seen = []
+    monkeypatch.setattr(cli, "_calibrate", lambda args: seen.append(args.out) or 0)
+    assert cli.main(["calibrate", "--model", "smollm2", "--bavg", "2"]) == 0
+    assert cli.main(["calibrate", "--model", "smollm2", "--bavg", "2", "--out", "elsewhere"]) == 0
+    assert seen == [str(own_artifacts), "elsewhere"]

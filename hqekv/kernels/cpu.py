@@ -6,9 +6,10 @@ writes the cache out as float codes before each matmul; the C kernel reads each 
 dequantizes one tile at a time and keeps the whole step in one call. Same semantics as
 :func:`~hqekv.kernels.mixed_attention.mixed_attention_reference` (tested against it).
 
-The library is built once per source, compiler and CPU into ``$HQEKV_CACHE_DIR`` (default
-``~/.cache/hqekv``), with ``-march=native`` where the compiler takes it (hence the CPU in
-its name). Where no C compiler is found or the build fails, :func:`available` says why,
+The library is built once per source, compiler and CPU into ``$HQEKV_CACHE`` (default
+``~/.cache/hqekv``, :mod:`hqekv.user_cache`), with ``-march=native`` where the compiler
+takes it (hence the CPU in its name), next to the sha256 its build recorded: a library
+that does not match it (cut short by a full disk or a copy) is built again, not loaded. Where no C compiler is found or the build fails, :func:`available` says why,
 and the op warns once and uses the reference. ``HQEKV_CPU_KERNEL=0`` (read at import)
 turns the kernel off.
 """
@@ -31,6 +32,7 @@ from pathlib import Path
 import torch
 
 from ..quantization import normal_tables
+from ..user_cache import cache_dir
 from ..tiers import QUANTIZED_TIERS, TIER_FORMATS
 from .mixed_attention import check_args
 from .quantize_pack import packed_shapes
@@ -78,6 +80,14 @@ def _cpu_name() -> str:
     return "\n".join(line for line in first if line.startswith(("model name", "flags")))
 
 
+def _whole(library: Path, digest: Path) -> bool:
+    """Whether ``library`` is the file its build recorded in ``digest`` (sha256), byte for byte."""
+    try:
+        return hashlib.sha256(library.read_bytes()).hexdigest() == digest.read_text().strip()
+    except OSError:
+        return False
+
+
 def _build() -> ctypes.CDLL:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if compiler is None:
@@ -86,12 +96,13 @@ def _build() -> ctypes.CDLL:
     source = _header() + SOURCE.read_text()
     version = subprocess.run([*cc, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
     key = hashlib.sha256("\0".join([source, *FLAGS, *version, _cpu_name(), sys.platform]).encode()).hexdigest()[:16]
-    cache = Path(os.environ.get("HQEKV_CACHE_DIR") or Path.home() / ".cache" / "hqekv")
+    cache = cache_dir()
     target = cache / f"mixed_attention_cpu-{key}.so"
-    if not target.exists():
+    digest = target.with_suffix(".sha256")
+    if not _whole(target, digest):  # a library cut short (a full disk, a copy) would crash the process on load
         cache.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=cache) as tmp:
-            c_file, so_file = Path(tmp) / "kernel.c", Path(tmp) / "kernel.so"
+            c_file, so_file, sum_file = Path(tmp) / "kernel.c", Path(tmp) / "kernel.so", Path(tmp) / "kernel.sha256"
             c_file.write_text(source)
             for flags in (FLAGS, tuple(f for f in FLAGS if f != "-march=native")):  # some compilers lack it (arm64 clang)
                 done = subprocess.run([*cc, *flags, str(c_file), "-o", str(so_file), "-lm"], capture_output=True, text=True)
@@ -99,7 +110,11 @@ def _build() -> ctypes.CDLL:
                     break
             if done.returncode:
                 raise RuntimeError(f"{compiler} failed:\n{done.stderr.strip()[-2000:]}")
+            sum_file.write_text(hashlib.sha256(so_file.read_bytes()).hexdigest())
             os.replace(so_file, target)  # atomic: a concurrent build leaves one whole file
+            os.replace(sum_file, digest)
+        if not _whole(target, digest):
+            raise RuntimeError(f"the kernel library {target} does not match its digest right after the build")
     library = ctypes.CDLL(str(target))
     library.hqekv_mixed_attention.restype = ctypes.c_int
     library.hqekv_mixed_attention.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_double, ctypes.c_void_p]

@@ -118,10 +118,40 @@ assert not cpu.available()[0] and "could not be built" in cpu.available()[1], cp
 assert len(caught) == 1 and "reference" in str(caught[0].message), [str(w.message) for w in caught]
 assert torch.equal(first, mixed_attention_reference(**args))
 """
-    env = dict(os.environ, CC=str(tmp_path / "no-such-compiler"), HQEKV_CACHE_DIR=str(tmp_path / "cache"))
+    env = dict(os.environ, CC=str(tmp_path / "no-such-compiler"), HQEKV_CACHE=str(tmp_path / "cache"))
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     done = subprocess.run([sys.executable, "-c", script], env=env, cwd=root, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+@needs_kernel
+def test_a_kernel_library_cut_short_in_the_cache_is_built_again_not_loaded(tmp_path):
+    """A library truncated in ``$HQEKV_CACHE`` (a full disk, an interrupted copy) used to be
+    loaded and kill every process that touched it with a bus error; it is rebuilt instead."""
+    script = """
+import torch
+from hqekv.kernels import cpu, ops
+from tests.kernels.random_cache import random_mixed_cache
+from hqekv.kernels.mixed_attention import mixed_attention_reference
+assert cpu.available()[0], cpu.available()
+args = random_mixed_cache(b=1, hq=2, hkv=1, s=1, d=16, n_chunks=3, value_group=16)
+out = ops.mixed_attention_default(*args.values())
+torch.testing.assert_close(out, mixed_attention_reference(**args), atol=1e-5, rtol=0)
+"""
+    env = dict(os.environ, HQEKV_CACHE=str(tmp_path / "cache"))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+    def run():
+        return subprocess.run([sys.executable, "-c", script], env=env, cwd=root, capture_output=True, text=True)
+
+    done = run()
+    assert done.returncode == 0, done.stderr[-3000:]
+    (library,) = (tmp_path / "cache").glob("mixed_attention_cpu-*.so")
+    whole = library.read_bytes()
+    library.write_bytes(whole[: len(whole) // 3])
+    done = run()
+    assert done.returncode == 0, (done.returncode, done.stderr[-3000:])
+    assert library.read_bytes() == whole  # built again, byte for byte
 
 
 def test_hqekv_cpu_kernel_0_turns_the_kernel_off():
