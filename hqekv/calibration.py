@@ -166,7 +166,7 @@ class CompressionObjective:
     """
 
     def __init__(self, model, context: torch.Tensor, continuation: torch.Tensor, **settings):
-        from .patching import cache_for, is_patched
+        from .patching import cache_for, default_value_group, head_dim_of, is_patched
 
         unknown = set(settings) - set(CACHE_SETTINGS)
         if unknown:
@@ -176,6 +176,8 @@ class CompressionObjective:
         if context.dim() != 2 or context.shape[0] != 1 or continuation.dim() != 2 or continuation.shape[0] != 1:
             raise ValueError("context and continuation must be (1, N) token ids: calibration runs one sequence")
         self.settings = dict(settings)
+        if self.settings.get("value_group") is None:  # as patch_model resolves it
+            self.settings["value_group"] = default_value_group(head_dim_of(model))
         self.config = _settings_config(FP16_RATIOS, self.settings)
         g = self.config.chunk_size
         if context.shape[1] < 2 * g:

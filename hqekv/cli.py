@@ -30,6 +30,9 @@ def _add_settings_args(p: argparse.ArgumentParser) -> None:
         flag = "--" + name.replace("_", "-")
         if name == "eviction":
             g.add_argument(flag, choices=EVICTION_CRITERIA, default=DEFAULTS[name])
+        elif name == "value_group":  # by default as patch_model chooses it for the model's head dim
+            g.add_argument(flag, type=int, help=f"default {DEFAULTS[name]}, or the largest power of two below it "
+                           "that divides the head dim")  # fmt: skip
         else:
             g.add_argument(flag, type=int, default=DEFAULTS[name])
 
@@ -38,7 +41,7 @@ def settings_from_args(args) -> dict:
     """The cache settings an artifact is matched on (``MATCHED_SETTINGS``), from the arguments."""
     from .artifacts import MATCHED_SETTINGS
 
-    return {n: getattr(args, n) for n in MATCHED_SETTINGS}
+    return {n: getattr(args, n) for n in MATCHED_SETTINGS if getattr(args, n) is not None}
 
 
 DTYPES = ("float32", "bfloat16", "float16")

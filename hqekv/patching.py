@@ -197,6 +197,21 @@ def cache_for(config: HqeKVConfig, model, max_length: int | None = None) -> HqeK
     return HqeKVCache(config, text_config.num_hidden_layers, sliding_windows(text_config), max_length)
 
 
+def head_dim_of(model) -> int:
+    """The attention head dim of ``model``'s text config."""
+    text_config = model.config.get_text_config()
+    return getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
+
+
+def default_value_group(head_dim: int) -> int:
+    """64 channels per value group (capped at the head dim, as the cache caps it), or the
+    largest power of two below it that divides ``head_dim``."""
+    group = 64
+    while head_dim % min(group, head_dim):
+        group //= 2
+    return group
+
+
 def patch_model(
     model,
     bavg: float | None = None,
@@ -210,7 +225,7 @@ def patch_model(
     rerank_interval: int = 32,
     protected_chunks: int = 2,
     eviction: str = "joint",
-    value_group: int = 64,
+    value_group: int | None = None,
     metadata_dtype: str | None = None,
     fp_dtype: str | None = None,
     rotation: str | None = None,
@@ -242,11 +257,15 @@ def patch_model(
         for this model (config fingerprint), this bavg and these cache settings; unreadable
         files in a directory are skipped with a warning.
 
-    Without ``ratios`` and ``artifact``, the artifact shipped in the package for this model
-    and bavg is used; if there is none, the rate-distortion allocator (as ``ratios="auto"``),
-    with an :class:`UncalibratedRatiosWarning` (at bavg 16, every chunk full precision).
-    chunk_size, window, rerank_interval, protected_chunks, eviction, value_group, metadata_dtype, fp_dtype, rotation,
-    importance
+    Without ``ratios`` and ``artifact``, an artifact of your own for this model and bavg
+    (``$HQEKV_CACHE/artifacts``, or the model's ``owner/name-hqekv`` Hub repo in the local
+    Hub cache) or the one shipped in the package is used; if there is none, the
+    rate-distortion allocator (as ``ratios="auto"``), with an
+    :class:`UncalibratedRatiosWarning` (at bavg 16, every chunk full precision).
+    value_group : int, optional
+        Channels per value quantization group; by default 64, or the largest power of two
+        below it that divides the head dim (32 for head dim 96, 16 for 80).
+    chunk_size, window, rerank_interval, protected_chunks, eviction, metadata_dtype, fp_dtype, rotation, importance
         See :class:`hqekv.HqeKVConfig`.
 
     After patching, ``generate``, ``model(...)`` and pipelines use a new :class:`HqeKVCache`
@@ -257,6 +276,9 @@ def patch_model(
         raise ValueError("model is already patched by hqekv; call hqekv.unpatch_model(model) first")
     text_config = model.config.get_text_config()
     classes = attention_classes(text_config)
+    head_dim = head_dim_of(model)
+    if value_group is None:
+        value_group = default_value_group(head_dim)
     config = resolve_config(
         model,
         bavg,
@@ -275,11 +297,10 @@ def patch_model(
         rotation=rotation,
         importance=importance,
     )
-    head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
     if head_dim % min(config.value_group, head_dim):
         raise ValueError(
             f"head dim {head_dim} is not a multiple of value_group {config.value_group}; pass a value_group that "
-            "divides it (e.g. value_group=32)"
+            f"divides it (e.g. value_group={default_value_group(head_dim)}, or leave it out)"
         )
 
     n_global = sliding_windows(text_config).count(None)

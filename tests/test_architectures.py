@@ -185,3 +185,25 @@ def test_calibrating_a_model_with_no_global_layer_is_refused():
     ids = prompt(100)
     with pytest.raises(ValueError, match="no ratios to calibrate"):
         CompressionObjective(tiny_model("mistral"), ids, ids[:, :20], value_group=16)
+
+
+@pytest.mark.parametrize("head_dim, group", [(96, 32), (80, 16)])
+def test_head_dims_that_64_does_not_divide_work_with_default_settings(head_dim, group):
+    """Phi-3's head dim 96, and 80, used to fail with the default value group of 64, and the
+    error's hint (value_group=32) did not work for 80."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=2 * head_dim, intermediate_size=128,
+                                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                                         head_dim=head_dim, max_position_embeddings=1024)).eval()  # fmt: skip
+    ids = torch.randint(0, 128, (1, 400), generator=torch.Generator().manual_seed(1))
+    hqekv.patch_model(model, ratios=hqekv.TierRatios(int4=0.3, int2=0.2, int1=0.2, evict=0.3))
+    assert hqekv.patch_config(model).value_group == group
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
+    chunks = out.cache.memory_report().chunks
+    assert chunks["evicted"] > 0 and chunks["v.int2"] > 0 and chunks["v.int1"] > 0
+    hqekv.unpatch_model(model)
+    with pytest.raises(ValueError, match=f"value_group={group}, or leave it out"):
+        hqekv.patch_model(model, ratios=hqekv.TierRatios(int4=1.0), value_group=64)
