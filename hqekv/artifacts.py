@@ -315,6 +315,19 @@ def check_artifact(artifact: Artifact, fingerprint: str, bavg: float | None, set
         raise ArtifactError(f"{artifact.path} was calibrated with other cache settings ({detail})")
 
 
+def check_splittable(artifact: Artifact) -> None:
+    """Raise :class:`ArtifactError` unless ``artifact`` holds one set of ratios for keys and
+    values and all layers (what ``hqekv split`` splits)."""
+    if artifact.key_ratios is not None or artifact.layer_ratios is not None or artifact.metadata.get("per_layer"):
+        raise ArtifactError(f"{artifact.path} already splits its ratios (keys apart, or per layer); split one set of ratios")
+
+
+def check_fits(artifact: Artifact, model_or_config) -> None:
+    """Raise :class:`ArtifactError` unless ``artifact`` was calibrated for this architecture."""
+    if artifact.fingerprint != model_fingerprint(model_or_config):
+        raise ArtifactError(f"{artifact.path} was calibrated for {artifact.metadata['model_id']!r}, not for this model")
+
+
 def _first_fitting(candidates: list[Artifact], fingerprint: str, bavg: float, settings: dict) -> Artifact | None:
     for artifact in candidates:
         try:
@@ -364,7 +377,7 @@ def find_artifact(
     """
     if not str(source).strip():
         raise ArtifactError("artifact is an empty path: give a file, a directory or a Hub repo id (owner/name)")
-    path = Path(source)
+    path = Path(source).expanduser()
     if path.is_file():
         artifact = load_artifact(path)
         check_artifact(artifact, fingerprint, bavg, settings)

@@ -188,6 +188,12 @@ class HqeKVLayer(RowStateLayer):
                 f"keys of shape {tuple(key.shape)} do not fit a cache of {self.batch_size} rows, "
                 f"{self.num_kv_heads} KV heads, head dim {self.head_dim}"
             )
+        if self.is_initialized and key.dtype != self.dtype:
+            raise ValueError(
+                f"layer {self.layer_idx}: this cache holds the {self.dtype} states of a request begun in {self.dtype}, "
+                f"and the model now gives {key.dtype} (model.to(...) since?): continue a cache in the dtype it began "
+                "in, or start a new one"
+            )
         self.scaling = scaling
         if not self.has_tokens and not self.is_initialized:
             self._initialize(query, key, value)

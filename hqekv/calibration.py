@@ -903,15 +903,15 @@ def split_artifact(model, tokenizer, artifact, *, out: str | Path | None = None,
     from . import __version__
     import json
 
-    from .artifacts import Artifact, ArtifactError, load_artifact, model_fingerprint, report_path, save_artifact, write_report
+    from .artifacts import (
+        Artifact, ArtifactError, check_fits, check_splittable, load_artifact, report_path, save_artifact, write_report,
+    )  # fmt: skip
     from .data import calibration_text
 
     base = artifact if isinstance(artifact, Artifact) else load_artifact(artifact)
     meta = dict(base.metadata)
-    if base.key_ratios is not None or base.layer_ratios is not None or meta.get("per_layer"):
-        raise ArtifactError(f"{base.path} already splits its ratios (keys apart, or per layer); split one set of ratios")
-    if base.fingerprint != model_fingerprint(model):
-        raise ArtifactError(f"{base.path} was calibrated for {meta['model_id']!r}, not for this model")
+    check_splittable(base)
+    check_fits(base, model)
     segments = meta.get("segments", 1)
     context_tokens, continuation_tokens = meta.get("context_tokens"), meta.get("continuation_tokens")
     if not (isinstance(context_tokens, int) and isinstance(continuation_tokens, int) and isinstance(segments, int)):

@@ -194,13 +194,16 @@ def _calibrate(args) -> int:
 def _split(args) -> int:
     import torch
 
+    from .artifacts import check_fits, load_artifact
     from .calibration import split_artifact
-    from .models import load_model
+    from .models import load_model, model_config
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    artifact = load_artifact(Path(args.artifact).expanduser())
+    check_fits(artifact, model_config(args.model, args.gguf_file))  # before the weights load
     model, tokenizer, _ = load_model(args.model, args.gguf_file)
-    result = split_artifact(model, tokenizer, args.artifact, out=Path(args.out))
+    result = split_artifact(model, tokenizer, artifact, out=Path(args.out))
     bits = ", ".join(f"{r.bavg:.2f}" for r in result.layer_ratios) if result.layer_ratios else "one set wins"
     print(f"bavg={result.bavg:g}: strength {result.metadata['layer_strength']:g}, KL {result.best_kl:.5f} "
           f"(one set: {result.metadata['layer_search'][0]['kl']:.5f}); per-layer bits {bits} -> {result.path}")  # fmt: skip
@@ -271,13 +274,10 @@ def _info(args) -> int:
             a = load_artifact(f)
             records.append(("artifact", a.describe(), {"path": str(a.path), "ratios": a.ratios.as_tuple(), **a.metadata}))
     if args.model:
-        from transformers import AutoConfig
-
-        from .models import resolve
+        from .models import model_config
         from .patches import SUPPORTED_MODEL_TYPES
 
-        name, gguf, _ = resolve(args.model, args.gguf_file)
-        config = AutoConfig.from_pretrained(name, **({"gguf_file": gguf} if gguf else {}))
+        config = model_config(args.model, args.gguf_file)
         fingerprint = model_fingerprint(config)
         shipped = [str(p.name) for p in shipped_artifacts() if load_artifact(p).fingerprint == fingerprint]
         fields = fingerprint_fields(config)
@@ -332,15 +332,22 @@ def check_args(args) -> None:
         if args.per_layer and args.asymmetric:
             raise ValueError("--per-layer and --asymmetric cannot be combined: per-layer budgets hold for keys and values alike")
     elif args.command == "split":
-        from .artifacts import load_artifact
+        from .artifacts import check_splittable, load_artifact
 
-        load_artifact(args.artifact)  # a missing or corrupt file fails here, not after the model loads
+        path = Path(args.artifact).expanduser()
+        if path.is_dir():
+            raise ValueError(f"{args.artifact} is a directory: give one artifact file of it (`hqekv info {args.artifact}` "
+                             "lists them)")  # fmt: skip
+        check_splittable(load_artifact(path))  # a missing, corrupt or split file fails here, not after the model loads
     elif args.command == "eval":
         from .eval.runner import check_request
 
         check_request(args.methods, args.tasks, args.samples, args.lengths)
     if getattr(args, "model", None):
         from .models import PACKAGED
+
+        if args.model in PACKAGED and getattr(args, "gguf_file", None):
+            raise ValueError(f"--gguf-file does not apply to the packaged model {args.model!r}: it is one GGUF file already")
 
         # a Hub id is name or owner/name; a path-like name that does not exist cannot load
         local = args.model.startswith((".", "/", "~")) or args.model.count("/") > 1

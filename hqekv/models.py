@@ -127,6 +127,14 @@ def resolve(model: str, gguf_file: str | None = None) -> tuple[str, str | None, 
     return str(path.parent), path.name, packaged.model_id
 
 
+def model_config(model: str, gguf_file: str | None = None):
+    """The config of what :func:`load_model` would load, without its weights."""
+    from transformers import AutoConfig
+
+    where, gguf_file, _ = resolve(model, gguf_file)
+    return AutoConfig.from_pretrained(where, **({"gguf_file": gguf_file} if gguf_file else {}))
+
+
 def load_model(model: str, gguf_file: str | None = None, dtype=None):
     """(model, tokenizer, model id) for a Hub id or directory, a GGUF file in it, or a packaged
     name (:data:`MODEL_NAMES`: ``smollm2``, ``qwen2.5-coder``, ``gemma3``), whose model id is its Hub id."""

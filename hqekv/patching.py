@@ -276,6 +276,12 @@ def patch_model(
         raise ValueError("model is already patched by hqekv; call hqekv.unpatch_model(model) first")
     text_config = model.config.get_text_config()
     classes = attention_classes(text_config)
+    n_global = sliding_windows(text_config).count(None)
+    if layer_ratios is not None and len(layer_ratios) != n_global:
+        raise ValueError(
+            f"{len(layer_ratios)} layer_ratios for a {text_config.model_type} model with {n_global} global attention "
+            "layers: give one set of shares per global attention layer"
+        )
     head_dim = head_dim_of(model)
     if value_group is None:
         value_group = default_value_group(head_dim)
@@ -303,7 +309,6 @@ def patch_model(
             f"divides it (e.g. value_group={default_value_group(head_dim)}, or leave it out)"
         )
 
-    n_global = sliding_windows(text_config).count(None)
     if config.layer_ratios is not None and len(config.layer_ratios) != n_global:
         raise ValueError(
             f"{config.ratios_source} gives {len(config.layer_ratios)} per-layer budgets but this "
@@ -440,6 +445,14 @@ def _compiled_decode_arguments(wrapper: _DecoderForward, args, kwargs) -> tuple[
     return arguments, cache, n_new
 
 
+def _input_length(arguments: dict) -> int | None:
+    """Tokens of the input ids or embeddings, None when there are neither."""
+    inputs = arguments.get("input_ids")
+    if inputs is None:
+        inputs = arguments.get("inputs_embeds")
+    return None if inputs is None else inputs.shape[1]
+
+
 def _check_inputs(model, arguments: dict) -> tuple[int, int, torch.device]:
     """-> new tokens, rows and device of the input; errors for what a patched model cannot do."""
     if arguments.get("output_attentions", getattr(model.config, "output_attentions", False)):
@@ -486,6 +499,12 @@ def _prepare_forward(wrapper: _DecoderForward, args, kwargs) -> tuple[dict, HqeK
     arguments[wrapper.cache_name] = cache
     if not isinstance(cache, HqeKVCache):
         return arguments, None, 0
+    if _input_length(arguments) == 0 and cache.holds_tokens:
+        raise ValueError(
+            f"no new tokens for a cache that holds {cache.get_seq_length()}: generate continues a cache only with a "
+            "prompt that starts with the tokens it holds (it feeds what follows them), so a prompt no longer than "
+            "the cache leaves nothing; for another prompt pass a new cache (hqekv.new_cache(model)) or none"
+        )
     n_new, batch, device = _check_inputs(model, arguments)
     valid = _input_valid(arguments.get("attention_mask"), n_new)
     cache.input_valid = valid

@@ -375,3 +375,13 @@ def test_the_conventional_hub_repo_of_a_model_is_found_in_the_hub_cache_without_
         hqekv.patch_model(model, 2.0)
     assert hqekv.patch_config(model).ratios == RATIOS
     assert "models--someone--tiny-hqekv" in hqekv.patch_config(model).ratios_source
+
+
+def test_an_artifact_path_under_home_is_expanded(tmp_path, model, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    path = save_artifact(tmp_path / "mine", RATIOS, metadata(model))
+    hqekv.patch_model(model, 2.0, artifact=f"~/mine/{path.name}")
+    assert hqekv.patch_config(model).ratios == RATIOS
+    hqekv.unpatch_model(model)
+    hqekv.patch_model(model, 2.0, artifact="~/mine")
+    assert hqekv.patch_config(model).ratios == RATIOS

@@ -524,3 +524,37 @@ def test_full_precision_chunks_hold_their_own_tokens_through_chunked_feeding_and
             assert torch.equal(phys[0, :, : fp16.numel()][:, fp16], truth[0, :, at])
     if ratios.fp16 > 0:
         assert diverged  # the case this test is about did happen
+
+
+def test_a_reused_cache_given_a_prompt_no_longer_than_it_says_so():
+    """``generate`` feeds a passed cache only what follows the tokens it holds; an unrelated
+    shorter prompt leaves nothing, which used to read "the prompt has no tokens"."""
+    model = tiny_llama()
+    hqekv.patch_model(model, ratios=hqekv.TierRatios(int4=1.0))
+    gen = torch.Generator().manual_seed(0)
+    cache = hqekv.new_cache(model)
+    with torch.no_grad():
+        model(torch.randint(1, 128, (1, 100), generator=gen), cache=cache)
+        with pytest.raises(ValueError, match="for a cache that holds 100.*pass a new cache"):
+            model.generate(torch.randint(1, 128, (1, 50), generator=gen), past_key_values=cache, max_new_tokens=3)
+
+
+def test_a_cache_continued_in_another_dtype_is_refused():
+    """An fp32 request's cache continued after ``model.to(torch.bfloat16)`` ran on silently."""
+    model = tiny_llama()
+    hqekv.patch_model(model, ratios=hqekv.TierRatios(int4=1.0))
+    ids = torch.randint(1, 128, (1, 80), generator=torch.Generator().manual_seed(1))
+    cache = hqekv.new_cache(model)
+    with torch.no_grad():
+        model(ids, cache=cache)
+        model.to(torch.bfloat16)
+        with pytest.raises(ValueError, match="begun in torch.float32.*now gives torch.bfloat16"):
+            model(ids[:, :1], cache=cache)
+        assert model(ids[:, :1]).logits.dtype == torch.bfloat16  # a new request runs
+
+
+def test_a_wrong_number_of_layer_ratios_is_named_as_such():
+    model = tiny_llama(layers=2)
+    r = hqekv.TierRatios(int4=0.5, int2=0.5)
+    with pytest.raises(ValueError, match="3 layer_ratios for a llama model with 2 global attention layers"):
+        hqekv.patch_model(model, ratios=r, layer_ratios=[r, r, hqekv.TierRatios(int4=1.0)])

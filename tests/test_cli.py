@@ -18,6 +18,9 @@ BAD = [
     (["eval", "--model", "/nonexistent", "--out", "x"], "no such directory"),
     (["calibrate", "--model", "smollm2", "--bavg", "2", "--per-layer", "--asymmetric"], "cannot be combined"),
     (["split", "--model", "smollm2", "/nonexistent.safetensors"], "file not found"),
+    (["split", "--model", "smollm2", "hqekv/artifacts"], "is a directory: give one artifact file"),
+    (["eval", "--model", "smollm2", "--gguf-file", "x.gguf", "--out", "x"], "--gguf-file does not apply"),
+    (["info", "--model", "gemma3", "--gguf-file", "x.gguf"], "--gguf-file does not apply"),
 ]
 
 
@@ -60,3 +63,21 @@ def test_calibrate_writes_where_patch_model_looks_unless_told_otherwise(monkeypa
     assert cli.main(["calibrate", "--model", "smollm2", "--bavg", "2"]) == 0
     assert cli.main(["calibrate", "--model", "smollm2", "--bavg", "2", "--out", "elsewhere"]) == 0
     assert seen == [str(own_artifacts), "elsewhere"]
+
+
+def test_split_refuses_a_split_or_foreign_artifact_before_the_model_loads(tmp_path, monkeypatch, capsys):
+    from hqekv.artifacts import load_artifact, save_artifact, shipped_artifacts
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded before the artifact was checked")
+
+    monkeypatch.setattr(models, "load_model", no_load)
+    gemma = next(p for p in shipped_artifacts() if p.name.startswith("gemma-3-270m-bavg2."))
+    assert cli.main(["split", "--model", "smollm2", str(gemma)]) == 2  # another model's artifact
+    err = capsys.readouterr().err
+    assert "calibrated for" in err and "not for this model" in err and err.count("\n") == 1
+    base = load_artifact(gemma)
+    split = save_artifact(tmp_path, base.ratios, {**base.metadata, "per_layer": True},
+                          layer_ratios=[base.ratios] * 3)  # fmt: skip
+    assert cli.main(["split", "--model", "gemma3", str(split)]) == 2
+    assert "already splits its ratios" in capsys.readouterr().err
