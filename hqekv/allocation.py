@@ -77,6 +77,10 @@ def tier_error(
     return (back - x).square()
 
 
+ERROR_BATCH = 16
+"""Chunks :func:`tile_distortions` measures quantization errors of at a time."""
+
+
 def distortions(
     probs: torch.Tensor,
     queries: torch.Tensor,
@@ -162,13 +166,17 @@ def tile_distortions(
 
     k_chunks = chunked(keys).reshape(b * nc, hkv, gs, d)
     v_chunks = chunked(v).reshape(b * nc, hkv, gs, d)
-    k_weight, v_weight = chunked(key_weight), chunked(value_weight)
-    d_k, d_v = keys.new_zeros(2, b, nc, 4, dtype=torch.float32)
-    for t in QUANTIZED_TIERS:
-        k_err = tier_error(k_chunks, t, True, value_group, meta_dtype).reshape(b, nc, hkv, gs, d)
-        d_k[:, :, t] = (k_err * k_weight).sum((2, 3, 4))
-        v_err = tier_error(v_chunks, t, False, value_group, meta_dtype).reshape(b, nc, hkv, gs, d)
-        d_v[:, :, t] = (v_err.sum(-1) * v_weight).sum((2, 3))
+    k_weight = chunked(key_weight).reshape(b * nc, hkv, gs, d)
+    v_weight = chunked(value_weight).reshape(b * nc, hkv, gs)
+    d_k, d_v = keys.new_zeros(2, b * nc, 4, dtype=torch.float32)
+    for i in range(0, b * nc, ERROR_BATCH):  # the quantizers' temporaries are a batch's, not the tile's
+        part = slice(i, i + ERROR_BATCH)
+        for t in QUANTIZED_TIERS:
+            k_err = tier_error(k_chunks[part], t, True, value_group, meta_dtype)
+            d_k[part, t] = (k_err * k_weight[part]).sum((1, 2, 3))
+            v_err = tier_error(v_chunks[part], t, False, value_group, meta_dtype)
+            d_v[part, t] = (v_err.sum(-1) * v_weight[part]).sum((1, 2))
+    d_k, d_v = d_k.reshape(b, nc, 4), d_v.reshape(b, nc, 4)
     if error_model == "retrieval":
         d_evict = (p * spread).reshape(b, hkv, g, m, nc, gs).sum((1, 2, 3, 5))
     else:

@@ -4,6 +4,9 @@ import pytest
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+if os.environ.get("PYTEST_XDIST_WORKER") and "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    # pytest -n N: the cores are shared between the workers, not each worker's thread pool
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 if not torch.cuda.is_available():
     # Triton kernels run on CPU tensors under the interpreter; it must be set before they are defined.
     os.environ.setdefault("TRITON_INTERPRET", "1")
