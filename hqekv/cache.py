@@ -55,9 +55,10 @@ DEFER_EVICTION = True
 """While a prompt arrives in pieces (:meth:`HqeKVCache.defer_eviction`), re-ranks quantize but
 evict nothing until :meth:`HqeKVCache.settle` ranks with the prompt's last queries; False
 evicts at every piece's re-rank (an ablation)."""
-WAITING = "above"
+WAITING = "int4"
 """Under fixed ratios, the tier a chunk waits at while eviction is deferred
-(:data:`hqekv.rerank.WAITING_TIERS`): "above" the policy's, or "at" it (an ablation)."""
+(:data:`hqekv.rerank.WAITING_TIERS`): "int4", at most 4 bits (the default), "above" the
+policy's, or "at" it (ablations)."""
 
 _ROW_PARTS = {
     "tables": ("chunk_pos", "k_tier", "k_slot", "v_tier", "v_slot"),
@@ -603,7 +604,7 @@ class HqeKVLayer(RowStateLayer):
         Importance comes from the window queries over the current cache; chunks only move
         downward (FP16 → 4 → 2 → 1 → evicted), re-quantized from their dequantized values.
         While ``deferring`` (a prompt in pieces), no chunk is evicted, and under fixed ratios
-        each chunk waits one tier above the policy's (:data:`WAITING`) for
+        each chunk waits at 4 bits unless the policy keeps it in FP16 (:data:`WAITING`) for
         :meth:`HqeKVCache.settle`.
         Under ``allocation="rate-distortion"``, ``provisional`` (a multi-token input) keeps
         the layer within :data:`~hqekv.allocation.PROVISIONAL` times its budget and leaves its
@@ -624,7 +625,7 @@ class HqeKVLayer(RowStateLayer):
             prop_k, prop_v = rerank.propose(
                 cfg, score_k, score_v, table, self.n_chunks, self.n_evicted, cfg.ratios, cfg.key_ratios
             )
-            if self.deferring:  # nothing is evicted, and each chunk waits above its tier for the prompt's end
+            if self.deferring:  # nothing is evicted, and each chunk waits at 4 bits at most for the prompt's end
                 prop_k, prop_v = rerank.waiting(prop_k, WAITING), rerank.waiting(prop_v, WAITING)
         here = rows[:, None] & (table.chunk_pos >= 0)
         new_k = torch.where(here, prop_k, table.k_tier)

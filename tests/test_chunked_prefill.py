@@ -210,3 +210,16 @@ def test_a_decode_step_settles_a_prompt_whose_loop_forgot_to():
         model(ids[:, -1:], cache=cache)
     assert not any(layer.deferring for layer in cache.hqekv_layers)
     assert sum(int(layer.n_evicted.sum()) for layer in cache.hqekv_layers) > 0
+
+
+@pytest.mark.parametrize("chunk", [128, 512])
+def test_a_prompt_in_pieces_ends_with_the_tiers_of_the_same_prompt_at_once(chunk):
+    """Under fixed ratios, chunks wait at 4 bits at most until the prompt is whole, so its
+    end places every tier as a one-shot prefill does: the same count of chunks at each tier
+    (and so the same bytes), where chunks pushed lower by early re-ranks used to stay there."""
+    model = tiny_llama(layers=3)
+    hqekv.patch_model(model, value_group=16, ratios=MIXED)
+    ids = prompt(2048, seed=7)
+    once, chunked = stored(model, ids, None), stored(model, ids, chunk)
+    assert chunked.chunks == once.chunks
+    assert chunked.total_bytes == once.total_bytes
