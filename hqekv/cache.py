@@ -497,12 +497,18 @@ class HqeKVLayer(RowStateLayer):
                 )
             yield start, keys, vals, positions, valid
 
-    def window_tiles(self):
+    def window_tiles(self, lse: torch.Tensor | None = None):
         """The window queries' probabilities over this layer's cache, a tile at a time
         (:func:`hqekv.importance.window_tiles`): yields (start, keys, values, probs, visible);
-        start is the tile's first table column, C for the tail."""
-        lse = importance.window_lse(self.win_q, self.win_pos, self.win_valid, self.dequantized_tiles(False), self.scaling)
+        start is the tile's first table column, C for the tail. ``lse``: the softmax
+        denominators of an earlier pass over the same cache (computed when not given)."""
+        if lse is None:
+            lse = self.window_lse()
         return importance.window_tiles(self.win_q, self.win_pos, self.win_valid, self.dequantized_tiles(), self.scaling, lse)
+
+    def window_lse(self) -> torch.Tensor:
+        """Log of each window query's softmax denominator over this layer's cache (B, Hkv, g, m)."""
+        return importance.window_lse(self.win_q, self.win_pos, self.win_valid, self.dequantized_tiles(False), self.scaling)
 
     def choices(self, provisional: bool = False) -> "allocation.LayerChoices":
         """What the rate-distortion allocator chooses from (``allocation="rate-distortion"``,
@@ -512,15 +518,15 @@ class HqeKVLayer(RowStateLayer):
         The budget of a row is its share of ``bavg`` bits per element of all the chunks it
         has seen, evicted ones included (``provisional``: :data:`~hqekv.allocation.PROVISIONAL`
         times that); the top ``protected_chunks`` under either importance metric are never
-        evicted. Two passes over the cache a tile at a time: the window outputs and
-        importance, then the distortions.
+        evicted. Three passes over the cache a tile at a time: the window's softmax
+        denominators, the window outputs and importance, then the distortions.
         """
         cfg, g = self.config, self.config.chunk_size
         table = self.live_table()
         b, c = table.chunk_pos.shape
         score_k, score_v = torch.zeros(2, b, c, device=self.device)
-        out = 0.0
-        for start, _, values, probs, visible in self.window_tiles():
+        out, lse = 0.0, self.window_lse()
+        for start, _, values, probs, visible in self.window_tiles(lse):
             out = out + allocation.window_outputs(probs, values)
             if start < c:
                 nc = values.shape[2] // g
@@ -529,7 +535,7 @@ class HqeKVLayer(RowStateLayer):
                 )
         d_k, d_v = torch.zeros(2, b, c, 4, device=self.device)
         d_evict = torch.zeros(b, c, device=self.device)
-        for start, keys, values, probs, _ in self.window_tiles():
+        for start, keys, values, probs, _ in self.window_tiles(lse):
             if start < c:
                 cols = slice(start, start + values.shape[2] // g)
                 d_k[:, cols], d_v[:, cols], d_evict[:, cols] = allocation.tile_distortions(
