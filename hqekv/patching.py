@@ -445,12 +445,10 @@ def _compiled_decode_arguments(wrapper: _DecoderForward, args, kwargs) -> tuple[
     return arguments, cache, n_new
 
 
-def _input_length(arguments: dict) -> int | None:
-    """Tokens of the input ids or embeddings, None when there are neither."""
+def _inputs(arguments: dict) -> torch.Tensor | None:
+    """The input ids, else the input embeddings, else None."""
     inputs = arguments.get("input_ids")
-    if inputs is None:
-        inputs = arguments.get("inputs_embeds")
-    return None if inputs is None else inputs.shape[1]
+    return arguments.get("inputs_embeds") if inputs is None else inputs
 
 
 def _check_inputs(model, arguments: dict) -> tuple[int, int, torch.device]:
@@ -460,9 +458,7 @@ def _check_inputs(model, arguments: dict) -> tuple[int, int, torch.device]:
             "output_attentions=True: a patched model attends over a compressed cache and returns no attention "
             "weights; use use_cache=False (exact attention, weights returned) or hqekv.unpatch_model(model)"
         )
-    inputs = arguments.get("input_ids")
-    if inputs is None:
-        inputs = arguments.get("inputs_embeds")
+    inputs = _inputs(arguments)
     if inputs is None:
         raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
     if inputs.shape[1] == 0:
@@ -499,7 +495,8 @@ def _prepare_forward(wrapper: _DecoderForward, args, kwargs) -> tuple[dict, HqeK
     arguments[wrapper.cache_name] = cache
     if not isinstance(cache, HqeKVCache):
         return arguments, None, 0
-    if _input_length(arguments) == 0 and cache.holds_tokens:
+    inputs = _inputs(arguments)
+    if inputs is not None and inputs.shape[1] == 0 and cache.holds_tokens:
         raise ValueError(
             f"no new tokens for a cache that holds {cache.get_seq_length()}: generate continues a cache only with a "
             "prompt that starts with the tokens it holds (it feeds what follows them), so a prompt no longer than "
