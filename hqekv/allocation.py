@@ -77,8 +77,9 @@ def tier_error(
     return (back - x).square()
 
 
-ERROR_BATCH = 16
-"""Chunks :func:`tile_distortions` measures quantization errors of at a time."""
+ERROR_BATCH = 2**19
+"""Elements (of whole chunks, at least one) :func:`tile_distortions` measures quantization
+errors of at a time: the quantizers' float32 temporaries are a few MiB, whatever the tile."""
 
 
 def distortions(
@@ -140,12 +141,18 @@ def tile_distortions(
     value_group: int,
     meta_dtype: torch.dtype,
     error_model: str = "retrieval",
+    k_tier: torch.Tensor | None = None,
+    v_tier: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`distortions` of the nc whole chunks of one tile of a cache.
 
     probs (B, Hkv, g, m, n) float32: the window probabilities of the tile's n = nc·G tokens
     (normalized over the whole cache); queries (B, Hkv·g, m, D); keys, values (B, Hkv, n, D);
     out (B, Hkv, g, m, D): the window outputs over the whole cache (:func:`window_outputs`).
+    k_tier, v_tier (B, nc): the chunks' current tiers, when given: errors are measured only
+    at the tiers below them (the only ones :func:`allocate` can move a chunk to; a chunk
+    re-quantized at its own tier is unchanged, so its error there is 0), none where there
+    is no chunk (a negative tier or EVICTED).
     -> d_k, d_v (B, nc, 4), d_evict (B, nc) float32.
     """
     b, hkv, g, m, n = probs.shape
@@ -169,13 +176,18 @@ def tile_distortions(
     k_weight = chunked(key_weight).reshape(b * nc, hkv, gs, d)
     v_weight = chunked(value_weight).reshape(b * nc, hkv, gs)
     d_k, d_v = keys.new_zeros(2, b * nc, 4, dtype=torch.float32)
-    for i in range(0, b * nc, ERROR_BATCH):  # the quantizers' temporaries are a batch's, not the tile's
-        part = slice(i, i + ERROR_BATCH)
-        for t in QUANTIZED_TIERS:
-            k_err = tier_error(k_chunks[part], t, True, value_group, meta_dtype)
-            d_k[part, t] = (k_err * k_weight[part]).sum((1, 2, 3))
-            v_err = tier_error(v_chunks[part], t, False, value_group, meta_dtype)
-            d_v[part, t] = (v_err.sum(-1) * v_weight[part]).sum((1, 2))
+    batch = max(1, ERROR_BATCH // (hkv * gs * d))
+    for t in QUANTIZED_TIERS:
+        for is_key, chunks, current, into in ((True, k_chunks, k_tier, d_k), (False, v_chunks, v_tier, d_v)):
+            weight = k_weight if is_key else v_weight
+            if current is None:
+                which = torch.arange(b * nc, device=keys.device)
+            else:
+                current = current.reshape(b * nc)
+                which = ((current >= 0) & (current < t)).nonzero()[:, 0]
+            for part in which.split(batch):  # the quantizers' temporaries are a batch's, not the tile's
+                err = tier_error(chunks[part], t, is_key, value_group, meta_dtype)
+                into[part, t] = (err * weight[part]).sum((1, 2, 3)) if is_key else (err.sum(-1) * weight[part]).sum((1, 2))
     d_k, d_v = d_k.reshape(b, nc, 4), d_v.reshape(b, nc, 4)
     if error_model == "retrieval":
         d_evict = (p * spread).reshape(b, hkv, g, m, nc, gs).sum((1, 2, 3, 5))

@@ -48,7 +48,7 @@ from .pools import KEY, VALUE, ComponentPools, grown
 from .rerank import ChunkTable
 from .rotation import rotate, rotation_matrix, unrotate
 from .sliding import SlidingWindowLayer
-from .tiers import EVICTED, FP16, INT1, QUANTIZED_TIERS, TIER_NAMES
+from .tiers import EVICTED, FP16, INT1, QUANTIZED_TIERS, TIER_NAMES, TILE_CHUNKS
 
 
 DEFER_EVICTION = True
@@ -59,6 +59,10 @@ WAITING = "int4"
 """Under fixed ratios, the tier a chunk waits at while eviction is deferred
 (:data:`hqekv.rerank.WAITING_TIERS`): "int4", at most 4 bits (the default), "above" the
 policy's, or "at" it (ablations)."""
+HELD_TILE_BYTES = 2**24
+"""A re-rank's passes over a layer share one dequantized copy of its cache when that copy
+(keys and values) holds at most this many bytes (:meth:`HqeKVLayer.tile_reader`): decode
+re-ranks of short caches read the pools once instead of once per pass."""
 
 _ROW_PARTS = {
     "tables": ("chunk_pos", "k_tier", "k_slot", "v_tier", "v_slot"),
@@ -473,7 +477,7 @@ class HqeKVLayer(RowStateLayer):
         chunk_pos = self.live_table().chunk_pos
         c = chunk_pos.shape[1]
         score_k, score_v = torch.zeros(2, *chunk_pos.shape, device=self.device)
-        for start, _, values, probs, visible in self.window_tiles():
+        for start, _, values, probs, visible in self.window_tiles(tiles=self.tile_reader()):
             if start < c:
                 nc = values.shape[2] // g
                 score_k[:, start : start + nc], score_v[:, start : start + nc] = importance.chunk_importance_scores(
@@ -483,12 +487,12 @@ class HqeKVLayer(RowStateLayer):
             score_k, score_v = importance.random_scores(chunk_pos, self.layer_idx or 0)
         return score_k, score_v
 
-    def dequantized_tiles(self, values: bool = True):
+    def dequantized_tiles(self, values: bool = True, tile: int = TILE_CHUNKS):
         """:func:`hqekv.attention.dequantized_tiles` of this layer, each tile checked:
         ``ValueError`` when it holds a NaN or an infinity (nothing can be ranked or quantized)."""
         for start, keys, vals, positions, valid in attention.dequantized_tiles(
             self.pools, self.live_table(), self.tail_k, self.tail_v, self.tail_len, self.n_chunks,
-            self.config.chunk_size, self.value_group, self.dtype, values,
+            self.config.chunk_size, self.value_group, self.dtype, values, tile,
         ):  # fmt: skip
             if not (_finite(keys) and (vals is None or _finite(vals))):
                 raise ValueError(
@@ -497,18 +501,34 @@ class HqeKVLayer(RowStateLayer):
                 )
             yield start, keys, vals, positions, valid
 
-    def window_tiles(self, lse: torch.Tensor | None = None):
+    def tile_reader(self):
+        """-> tiles(values=True): the dequantized tiles of this layer for one pass of a
+        re-rank (:meth:`dequantized_tiles`). A cache of at most :data:`HELD_TILE_BYTES`
+        dequantized is read once, as one tile, and every pass reuses it; a longer one is
+        read again, a tile at a time, by each pass."""
+        c = self.live_table().chunk_pos.shape[1]
+        tokens = (c + 1) * self.config.chunk_size
+        dense = 2 * self.batch_size * self.num_kv_heads * tokens * self.head_dim * self.dtype.itemsize
+        if dense > HELD_TILE_BYTES:
+            return self.dequantized_tiles
+        held = list(self.dequantized_tiles(tile=max(c, 1)))
+        return lambda values=True: iter(held)
+
+    def window_tiles(self, lse: torch.Tensor | None = None, tiles=None):
         """The window queries' probabilities over this layer's cache, a tile at a time
         (:func:`hqekv.importance.window_tiles`): yields (start, keys, values, probs, visible);
         start is the tile's first table column, C for the tail. ``lse``: the softmax
-        denominators of an earlier pass over the same cache (computed when not given)."""
+        denominators of an earlier pass over the same cache (computed when not given);
+        ``tiles``: a :meth:`tile_reader` (:meth:`dequantized_tiles` when not given)."""
+        tiles = tiles or self.dequantized_tiles
         if lse is None:
-            lse = self.window_lse()
-        return importance.window_tiles(self.win_q, self.win_pos, self.win_valid, self.dequantized_tiles(), self.scaling, lse)
+            lse = self.window_lse(tiles)
+        return importance.window_tiles(self.win_q, self.win_pos, self.win_valid, tiles(), self.scaling, lse)
 
-    def window_lse(self) -> torch.Tensor:
+    def window_lse(self, tiles=None) -> torch.Tensor:
         """Log of each window query's softmax denominator over this layer's cache (B, Hkv, g, m)."""
-        return importance.window_lse(self.win_q, self.win_pos, self.win_valid, self.dequantized_tiles(False), self.scaling)
+        tiles = tiles or self.dequantized_tiles
+        return importance.window_lse(self.win_q, self.win_pos, self.win_valid, tiles(False), self.scaling)
 
     def choices(self, provisional: bool = False) -> "allocation.LayerChoices":
         """What the rate-distortion allocator chooses from (``allocation="rate-distortion"``,
@@ -525,8 +545,9 @@ class HqeKVLayer(RowStateLayer):
         table = self.live_table()
         b, c = table.chunk_pos.shape
         score_k, score_v = torch.zeros(2, b, c, device=self.device)
-        out, lse = 0.0, self.window_lse()
-        for start, _, values, probs, visible in self.window_tiles(lse):
+        tiles = self.tile_reader()
+        out, lse = 0.0, self.window_lse(tiles)
+        for start, _, values, probs, visible in self.window_tiles(lse, tiles):
             out = out + allocation.window_outputs(probs, values)
             if start < c:
                 nc = values.shape[2] // g
@@ -535,12 +556,12 @@ class HqeKVLayer(RowStateLayer):
                 )
         d_k, d_v = torch.zeros(2, b, c, 4, device=self.device)
         d_evict = torch.zeros(b, c, device=self.device)
-        for start, keys, values, probs, _ in self.window_tiles(lse):
+        for start, keys, values, probs, _ in self.window_tiles(lse, tiles):
             if start < c:
                 cols = slice(start, start + values.shape[2] // g)
                 d_k[:, cols], d_v[:, cols], d_evict[:, cols] = allocation.tile_distortions(
                     probs, self.win_q, keys, values, out, g, self.scaling, self.value_group, self.meta_dtype,
-                    allocation.ERROR_MODEL,
+                    allocation.ERROR_MODEL, table.k_tier[:, cols], table.v_tier[:, cols],
                 )  # fmt: skip
         chunks = table.chunk_pos >= 0
         evictable = chunks

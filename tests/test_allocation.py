@@ -285,3 +285,24 @@ def test_distortions_in_tiles_of_chunks_are_those_of_the_whole_cache(error_model
         tiled = allocation.distortions(probs, q, k, v, 6, 32, 16**-0.5, 16, torch.float32, error_model, tile=tile)
         for a, b in zip(tiled, whole):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-9)
+
+
+def test_distortions_are_measured_only_where_a_chunk_can_move():
+    """Given the chunks' tiers, a chunk's errors are measured at the tiers below its own
+    (what they would be without the tiers), 0 at its own tier and above, and not at all
+    where there is no chunk; eviction does not depend on the tiers."""
+    q, k, v, probs, _ = random_state(seed=3)
+    out = allocation.window_outputs(probs, v)
+    args = (probs, q, k, v, out, 32, 16**-0.5, 16, torch.float32)
+    full_k, full_v, full_evict = allocation.tile_distortions(*args)
+    k_tier = torch.tensor([[FP16, INT4, INT2, INT1, -1, EVICTED]])
+    v_tier = torch.tensor([[INT1, INT2, FP16, INT4, EVICTED, -1]])
+    d_k, d_v, d_evict = allocation.tile_distortions(*args, k_tier=k_tier, v_tier=v_tier)
+    for d, full, tier in ((d_k, full_k, k_tier), (d_v, full_v, v_tier)):
+        for c in range(6):
+            t = int(tier[0, c])
+            below = [x for x in range(1, 4) if 0 <= t < x]
+            assert torch.equal(d[0, c, below], full[0, c, below])
+            assert not d[0, c, [x for x in range(4) if x not in below]].any()
+        assert (full[0, :, 1:] > 0).all()  # the errors left out were not 0
+    assert torch.equal(d_evict, full_evict)

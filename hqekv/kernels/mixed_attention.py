@@ -197,49 +197,55 @@ def _tiled_attention(
     query, key, value, new_valid, k_pools, v_pools, k_tier, k_slot, v_tier, v_slot, tail_k, tail_v, tail_len,
     scaling, value_group, tile: int = TILE_CHUNKS,
 ) -> torch.Tensor:  # fmt: skip
-    """The attention of ``_dense_attention``, block by block: ``tile`` table entries at a time
-    (dequantized alone, :func:`gather_chunks`), then the tail with the new tokens (causal,
-    padding masked), one KV head at a time; each block's output is merged into a running
-    one by log-sum-exp, in place. The scores of a block are tiled again inside the flash
-    kernel. Beyond the output, the transient memory is one tile of the cache and one KV
-    head's block output, whatever the length of the cache."""
-    b, hq, s, _ = query.shape
+    """The attention of ``_dense_attention``, block by block, one KV head at a time: ``tile``
+    table entries (that head's slice of them, dequantized alone, :func:`gather_chunks`),
+    then the tail with the new tokens (causal, padding masked); each block's output is
+    merged into the head's running one by log-sum-exp, in place. The scores of a block are
+    tiled again inside the flash kernel. Beyond the output, the transient memory is one
+    head's float32 accumulator and one head's tile of the cache, whatever the length of
+    the cache and the number of heads."""
+    b, hq, s, d = query.shape
     hkv, g = key.shape[1], tail_k.shape[2]
     group = hq // hkv
     dtype = query.dtype
-    out = query.new_zeros(b, hq, s, query.shape[-1], dtype=torch.float32)
-    total = query.new_full((b, hq, s), float("-inf"), dtype=torch.float32)
-
-    def attend(keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor) -> None:
-        for h in range(hkv):
-            heads = slice(h * group, (h + 1) * group)
-            block_out, block_lse = _block_attention(
-                query[:, heads], keys[:, h : h + 1], values[:, h : h + 1], visible, scaling
-            )
-            new_total = torch.logaddexp(total[:, heads], block_lse)
-            finite = torch.isfinite(new_total)
-            keep = torch.where(finite, torch.exp(total[:, heads] - new_total), 0.0)
-            take = torch.where(finite, torch.exp(block_lse - new_total), 0.0)
-            out[:, heads].mul_(keep[..., None]).add_(block_out.float().mul_(take[..., None]))
-            total[:, heads] = new_total
-
-    for c0 in range(0, k_tier.shape[1], tile):
-        kt, ks, vt, vs = (t[:, c0 : c0 + tile] for t in (k_tier, k_slot, v_tier, v_slot))
-        visible = (kt >= 0).repeat_interleave(g, 1)[:, None]  # (B, 1, n): every query sees the cache
-        if bool(visible.any()):
-            attend(
-                gather_chunks(k_pools, kt, ks, True, value_group, dtype),
-                gather_chunks(v_pools, vt, vs, False, value_group, dtype),
-                visible,
-            )
+    result = query.new_empty(b, s, hq, d)
     ar = torch.arange(g, device=query.device)
     tail_seen = (ar[None, :] < tail_len[:, None])[:, None].expand(b, s, g)
     causal = torch.ones(s, s, dtype=torch.bool, device=query.device).tril()[None] & new_valid[:, None, :]
-    attend(
-        torch.cat([tail_k.to(dtype), key], 2), torch.cat([tail_v.to(dtype), value], 2),
-        torch.cat([tail_seen, causal], -1),
-    )  # fmt: skip
-    return out.to(dtype).transpose(1, 2)
+    recent = torch.cat([tail_seen, causal], -1)
+    for h in range(hkv):
+        heads = slice(h * group, (h + 1) * group)
+        q = query[:, heads]
+        k_head, v_head = ([p[:, h : h + 1] for p in pools] for pools in (k_pools, v_pools))
+        out = query.new_zeros(b, group, s, d, dtype=torch.float32)
+        total = query.new_full((b, group, s), float("-inf"), dtype=torch.float32)
+
+        def attend(keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor) -> None:
+            nonlocal total
+            block_out, block_lse = _block_attention(q, keys, values, visible, scaling)
+            new_total = torch.logaddexp(total, block_lse)
+            finite = torch.isfinite(new_total)
+            keep = torch.where(finite, torch.exp(total - new_total), 0.0)
+            take = torch.where(finite, torch.exp(block_lse - new_total), 0.0)
+            out.mul_(keep[..., None]).add_(block_out.float().mul_(take[..., None]))
+            total = new_total
+
+        for c0 in range(0, k_tier.shape[1], tile):
+            kt, ks, vt, vs = (t[:, c0 : c0 + tile] for t in (k_tier, k_slot, v_tier, v_slot))
+            visible = (kt >= 0).repeat_interleave(g, 1)[:, None]  # (B, 1, n): every query sees the cache
+            if bool(visible.any()):
+                attend(
+                    gather_chunks(k_head, kt, ks, True, value_group, dtype),
+                    gather_chunks(v_head, vt, vs, False, value_group, dtype),
+                    visible,
+                )
+        attend(
+            torch.cat([tail_k[:, h : h + 1].to(dtype), key[:, h : h + 1]], 2),
+            torch.cat([tail_v[:, h : h + 1].to(dtype), value[:, h : h + 1]], 2),
+            recent,
+        )  # fmt: skip
+        result[:, :, heads] = out.transpose(1, 2)
+    return result
 
 
 def _dense_attention(
