@@ -18,7 +18,11 @@ greedy ``generate`` of the prompt plus ``--new-tokens`` tokens:
   it (the weights);
 - on CPU: the peak resident set size of the process during it (``VmHWM``, reset through
   ``/proc/self/clear_refs`` just before), minus the resident set size before it: the peak
-  memory beyond what the loaded model holds, every allocation counted.
+  memory beyond what the loaded model holds, every allocation counted. With glibc's
+  default allocator this includes freed memory the heap keeps (how much varies from run to
+  run); ``--release-freed`` runs every case with ``MALLOC_MMAP_THRESHOLD_=65536``, so that
+  a freed block of 64 KiB or more goes back to the system at once and the peak is that of
+  the memory in use (slower: every such block is a system call).
 
 Each row also gives the cache's own bytes at the end (hqekv: its memory report; the
 DynamicCache: its key and value tensors), the prefill seconds (to the first token) and the
@@ -32,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import subprocess
 import sys
@@ -50,6 +55,7 @@ SHAPES = {
     "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=256, max_position_embeddings=8192),
 }  # fmt: skip
+RELEASE_FREED = "MALLOC_MMAP_THRESHOLD_=65536"
 CPU_CASES = ["smollm2:4096", "smollm2:8192", "qwen2.5-coder:16384", "llama3-8b-attn:16384", "llama3-8b-attn:32768"]
 
 
@@ -170,13 +176,17 @@ def main():
     parser.add_argument("--dtype", help="model dtype (default: bfloat16 for random shapes, the packaged one otherwise)")
     parser.add_argument("--threads", type=int)
     parser.add_argument("--out", help="JSON path (default benchmarks/results/peak_memory.json)")
+    parser.add_argument("--release-freed", action="store_true",
+                        help=f"CPU: run the cases with {RELEASE_FREED} (glibc: freed blocks go back at once)")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # a single case as JSON: run it here, print its row
     args = parser.parse_args()
     if args.one:
         print("ROW " + json.dumps(run_one(json.loads(args.one))))
         return
     header = {"measured_through": "model.generate (greedy), each case in a fresh process",
-              "method": PeakMeter("cuda" if torch.cuda.is_available() else "cpu").method}  # fmt: skip
+              "method": PeakMeter("cuda" if torch.cuda.is_available() else "cpu").method,
+              "allocator": RELEASE_FREED if args.release_freed else "default"}  # fmt: skip
+    env = {**os.environ, **dict([RELEASE_FREED.split("=")])} if args.release_freed else None
     rows = []
     for case in args.cases:
         model_name, tokens = case.rsplit(":", 1)
@@ -186,7 +196,7 @@ def main():
                 spec = dict(model=model_name, tokens=int(tokens), chunk=chunk or None, cache=cache,
                             new_tokens=args.new_tokens, dtype=args.dtype, threads=args.threads)  # fmt: skip
                 done = subprocess.run(
-                    [sys.executable, __file__, "--one", json.dumps(spec)], capture_output=True, text=True
+                    [sys.executable, __file__, "--one", json.dumps(spec)], capture_output=True, text=True, env=env
                 )
                 lines = [line for line in done.stdout.splitlines() if line.startswith("ROW ")]
                 if done.returncode or not lines:

@@ -48,7 +48,7 @@ from .pools import KEY, VALUE, ComponentPools, grown
 from .rerank import ChunkTable
 from .rotation import rotate, rotation_matrix, unrotate
 from .sliding import SlidingWindowLayer
-from .tiers import EVICTED, FP16, INT1, QUANTIZED_TIERS, TIER_NAMES, TILE_CHUNKS
+from .tiers import EVICTED, FP16, INT1, QUANTIZED_TIERS, RERANK_TILE_CHUNKS, TIER_NAMES
 
 
 DEFER_EVICTION = True
@@ -487,7 +487,7 @@ class HqeKVLayer(RowStateLayer):
             score_k, score_v = importance.random_scores(chunk_pos, self.layer_idx or 0)
         return score_k, score_v
 
-    def dequantized_tiles(self, values: bool = True, tile: int = TILE_CHUNKS):
+    def dequantized_tiles(self, values: bool = True, tile: int = RERANK_TILE_CHUNKS):
         """:func:`hqekv.attention.dequantized_tiles` of this layer, each tile checked:
         ``ValueError`` when it holds a NaN or an infinity (nothing can be ranked or quantized)."""
         for start, keys, vals, positions, valid in attention.dequantized_tiles(

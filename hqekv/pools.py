@@ -53,10 +53,6 @@ class QuantizedPool:
     def select(self, slots: torch.Tensor) -> "QuantizedPool":
         return QuantizedPool(self.codes[slots], self.meta0[slots], self.meta1[slots])
 
-    @staticmethod
-    def cat(parts: list["QuantizedPool"]) -> "QuantizedPool":
-        return QuantizedPool(*(torch.cat([getattr(p, f) for p in parts]) for f in ("codes", "meta0", "meta1")))
-
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return (self.codes, self.meta0, self.meta1)
 

@@ -125,12 +125,19 @@ def rebuild(
                     raise AssertionError("a chunk moved up to FP16; tiers only move down")
                 by_tier[t] = pools[component].fp[old_slot[rs, cs]]
             else:
-                # a batch of chunks at a time: quantizing's temporaries stay the size of a batch
-                fresh = [
-                    encode_chunks(read(component, r, c), t, component, value_group, meta_dtype)
-                    for r, c in zip(rm.split(TILE_CHUNKS), cm.split(TILE_CHUNKS))
-                ]
-                by_tier[t] = QuantizedPool.cat([pools[component].quantized[t].select(old_slot[rs, cs]), *fresh])
+                # the new pool is written in place: the chunks that stay, then the moved ones
+                # a batch at a time (quantizing's temporaries stay the size of a batch)
+                old = pools[component].quantized[t].tensors()
+                new = QuantizedPool(*(x.new_empty(rs.numel() + rm.numel(), *x.shape[1:]) for x in old))
+                for into, source in zip(new.tensors(), old):
+                    torch.index_select(source, 0, old_slot[rs, cs], out=into[: rs.numel()])
+                start = rs.numel()
+                for r, c in zip(rm.split(TILE_CHUNKS), cm.split(TILE_CHUNKS)):
+                    fresh = encode_chunks(read(component, r, c), t, component, value_group, meta_dtype)
+                    for into, source in zip(new.tensors(), fresh.tensors()):
+                        into[start : start + r.numel()] = source
+                    start += r.numel()
+                by_tier[t] = new
         new_slots[component] = slot
         new_pools[component] = ComponentPools(by_tier[FP16], {t: by_tier[t] for t in QUANTIZED_TIERS})
 

@@ -44,6 +44,12 @@ TIER_FORMATS = {t: (TIERS[t].code_bits, TIERS[t].normalized) for t in QUANTIZED_
 
 TILE_CHUNKS = 64
 """Chunks a streamed pass over a layer's storage holds dequantized at a time (the CPU
-attention's tiles, the re-rank's importance, distortions and re-quantization, and
+attention's tiles, re-quantization's batches in a re-rank, and
 :func:`hqekv.kernels.gather_chunks`' batches): its transient memory is that of a tile
 (2048 tokens at G = 32), not of the whole layer, however long the cache."""
+RERANK_TILE_CHUNKS = 16
+"""Chunks a re-rank's passes over a long cache read at a time (importance and the
+allocator's distortions): their float32 temporaries (the window's probabilities, the
+distortions' weights) are several times a tile's dequantized bytes, so their tiles are a
+quarter of the attention's (Llama-3-8B's attention at 8K tokens: a layer's choices peak
+at 25 MiB instead of 52, in the same time)."""
