@@ -177,14 +177,14 @@ def tile_distortions(
     v_weight = chunked(value_weight).reshape(b * nc, hkv, gs)
     d_k, d_v = keys.new_zeros(2, b * nc, 4, dtype=torch.float32)
     batch = max(1, ERROR_BATCH // (hkv * gs * d))
-    for t in QUANTIZED_TIERS:
-        for is_key, chunks, current, into in ((True, k_chunks, k_tier, d_k), (False, v_chunks, v_tier, d_v)):
-            weight = k_weight if is_key else v_weight
-            if current is None:
-                which = torch.arange(b * nc, device=keys.device)
-            else:
-                current = current.reshape(b * nc)
-                which = ((current >= 0) & (current < t)).nonzero()[:, 0]
+    every = torch.arange(b * nc, device=keys.device)
+    for is_key, chunks, weight, current, into in (
+        (True, k_chunks, k_weight, k_tier, d_k),
+        (False, v_chunks, v_weight, v_tier, d_v),
+    ):
+        current = None if current is None else current.reshape(b * nc)
+        for t in QUANTIZED_TIERS:
+            which = every if current is None else ((current >= 0) & (current < t)).nonzero()[:, 0]
             for part in which.split(batch):  # the quantizers' temporaries are a batch's, not the tile's
                 err = tier_error(chunks[part], t, is_key, value_group, meta_dtype)
                 into[part, t] = (err * weight[part]).sum((1, 2, 3)) if is_key else (err.sum(-1) * weight[part]).sum((1, 2))
