@@ -121,6 +121,7 @@ def measure(model, prompts: dict, warm, bavgs, new_tokens: int, compiled: bool =
     rerank_ms = {}
 
     def keep(cell, tps, out=None):
+        print(f"  {' '.join(map(str, cell))}: {tps:.1f} tok/s", flush=True)  # progress, should a run be cut short
         best[cell] = max(best.get(cell, 0.0), tps)
         if out is not None:
             tokens.setdefault(cell, out)

@@ -29,10 +29,13 @@ PY
 # Kernel tests (Triton compiled for the GPU, compared with the CPU references) and the
 # patched model's compiled decode on CUDA, over a static cache too.
 status=0
-timeout 210 python3 -m pytest -q -p no:cacheprovider tests/kernels tests/test_compile.py tests/test_static.py -k "not smollm2" 2>&1 \
+# Spread over 8 workers where pytest-xdist is installed: most of the time is Triton and
+# inductor compiling, which runs on the CPU.
+workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8" || true)
+timeout 150 python3 -m pytest -q -p no:cacheprovider $workers tests/kernels tests/test_compile.py tests/test_static.py -k "not smollm2" 2>&1 \
   | tee "$out/gpu_tests.log" || status=1
 timeout 60 python3 benchmarks/kernels.py --out "$out/gpu_kernels.json" || status=1
-timeout 120 python3 benchmarks/decode_random.py --shape llama3-8b --lengths 8192 32768 --bavg 3.2 \
+timeout 180 python3 benchmarks/decode_random.py --shape llama3-8b --lengths 8192 32768 --bavg 3.2 \
   --dtype bfloat16 --out "$out/gpu_decode.json" || status=1
 # Peak memory of a chunked prefill plus decode tokens (torch.cuda.max_memory_allocated), the
 # whole Llama-3-8B shape in bf16, DynamicCache against hqekv at bavg 2; rows saved as they come.

@@ -202,9 +202,16 @@ def tile_distortions(
 
 
 def chunk_bytes(
-    heads: int, chunk_size: int, head_dim: int, value_group: int, fp_bytes: int, meta_bytes: int
+    heads: int,
+    chunk_size: int,
+    head_dim: int,
+    value_group: int,
+    fp_bytes: int,
+    meta_bytes: int,
+    device: torch.device | str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Real bytes of one chunk's keys and of its values at FP16, 4, 2, 1 bit: (4,), (4,) float64.
+    """Real bytes of one chunk's keys and of its values at FP16, 4, 2, 1 bit: (4,), (4,) float64
+    on ``device`` (the cache's: tier tables index them).
 
     Codes are packed into int32 words along each group (:mod:`hqekv.packing`); every group
     has a 2-element metadata pair. Keys: one group per channel over the chunk's tokens;
@@ -219,7 +226,7 @@ def chunk_bytes(
         for out, groups, length in ((k, key_groups, key_len), (v, value_groups, value_len)):
             words = -(-length * bits // 32)
             out.append(float(groups * (4 * words + 2 * meta_bytes)))
-    return torch.tensor(k, dtype=torch.float64), torch.tensor(v, dtype=torch.float64)
+    return torch.tensor(k, dtype=torch.float64, device=device), torch.tensor(v, dtype=torch.float64, device=device)
 
 
 def allocate(

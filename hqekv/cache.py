@@ -80,6 +80,15 @@ def _finite(x: torch.Tensor) -> bool:
     return x.numel() == 0 or bool(torch.isfinite(torch.stack(torch.aminmax(x))).all())
 
 
+def _column_major(table: torch.Tensor) -> torch.Tensor:
+    """A (B, C) chunk table with strides (1, B): the same values, its width C in no stride."""
+    b, c = table.shape
+    if table.stride() == (1, b):
+        return table
+    out = torch.empty_strided((b, c), (1, b), dtype=table.dtype, device=table.device)
+    return out.copy_(table)
+
+
 class HqeKVLayer(RowStateLayer):
     """One attention layer's mixed-precision cache (SPEC §1.3–§1.4).
 
@@ -265,13 +274,16 @@ class HqeKVLayer(RowStateLayer):
 
         They only reach a compiled graph as inputs of the opaque ``hqekv::mixed_attention`` op,
         whose output shape does not depend on them; marked unbacked, they are not specialized
-        (not even at 0 or 1) and the decode graph is compiled once. A static cache also marks
-        every tensor a decode step reads or writes as a static address (CUDA graphs replay
-        over them without copies; :meth:`RowStateLayer.pin`).
+        (not even at 0 or 1) and the decode graph is compiled once. The tables are kept
+        column-major, so that their unbacked width is no stride either: inductor's CUDA-graph
+        checks ask whether an input's stride is 0, which an unbacked stride cannot answer. A
+        static cache also marks every tensor a decode step reads or writes as a static address
+        (CUDA graphs replay over them without copies; :meth:`RowStateLayer.pin`).
         """
         for component in (KEY, VALUE):
             for t in self.pools[component].op_order():
                 torch._dynamo.decorators.mark_unbacked(t, 0)
+        self._set_table(ChunkTable(*(_column_major(t) for t in self.table)))
         for t in self.table:
             torch._dynamo.decorators.mark_unbacked(t, 1)
         if self.static:
@@ -580,9 +592,10 @@ class HqeKVLayer(RowStateLayer):
 
     def chunk_bytes(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Real bytes of one chunk's keys and of its values at each kept tier (:func:`hqekv.allocation.chunk_bytes`)."""
+        fp = self.pools[KEY].fp
         return allocation.chunk_bytes(
             self.num_kv_heads, self.config.chunk_size, self.head_dim, self.value_group,
-            self.pools[KEY].fp.element_size(), self.pools[KEY].quantized[QUANTIZED_TIERS[0]].meta0.element_size(),
+            fp.element_size(), self.pools[KEY].quantized[QUANTIZED_TIERS[0]].meta0.element_size(), fp.device,
         )  # fmt: skip
 
     def chunk_storage_bytes(self) -> torch.Tensor:

@@ -74,9 +74,32 @@ def _normal_tables(bits: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def normal_tables(bits: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
-    """(boundaries (2**bits - 1,), centres (2**bits,)) float32 on ``device``."""
-    boundaries, centres = _normal_tables(bits)
-    return boundaries.to(device), centres.to(device)
+    """(boundaries (2**bits - 1,), centres (2**bits,)) float32 on ``device``.
+
+    While a CUDA graph is being recorded (a compiled decode step under ``mode="reduce-overhead"``)
+    no host memory may be copied to the GPU: the values are then written by fill kernels,
+    which the graph records and replays."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return _normal_tables(bits)
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return tuple(filled(t.tolist(), device) for t in _normal_tables(bits))
+    return _device_tables(bits, device)
+
+
+@functools.lru_cache(maxsize=None)
+def _device_tables(bits: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tables copied to ``device`` once, not at every kernel launch (a blocking host copy)."""
+    return tuple(t.to(device) for t in _normal_tables(bits))
+
+
+def filled(values: list[float], device: torch.device) -> torch.Tensor:
+    """``values`` (float32 numbers) as a float32 tensor on ``device``, written element by
+    element with fill kernels rather than copied from the host."""
+    out = torch.empty(len(values), dtype=torch.float32, device=device)
+    for i, v in enumerate(values):
+        out[i].fill_(v)
+    return out
 
 
 def quantize_normalized(

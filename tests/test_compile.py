@@ -124,6 +124,34 @@ def attention_inputs(model, position: int, seed: int):
     return hidden, pe
 
 
+def test_the_decode_graph_inputs_answer_inductors_cuda_graph_checks():
+    """Inductor (torch 2.11 and 2.12 on CUDA) asks of every graph input whether a stride is 0
+    before it records a CUDA graph; a chunk table's unbacked width must be in no stride, or
+    that question cannot be answered and compiling fails (seen on an H200)."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    checked = []
+
+    def forward_compiler(gm, example_inputs):
+        for t in example_inputs:
+            if isinstance(t, torch.Tensor):  # as torch._inductor.output_code.complex_memory_overlap
+                checked.append([i for i in range(t.ndim) if t.stride(i) == 0 and t.size(i) != 1])
+        return gm.forward
+
+    model = tiny_llama().to(DEVICE)
+    hqekv.patch_model(model, ratios=MIXED)
+    ids = torch.randint(1, 128, (2, 50), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    torch._dynamo.reset()
+    eager_forward = model.forward
+    model.forward = torch.compile(eager_forward, backend=aot_autograd(fw_compiler=forward_compiler))
+    try:
+        with torch.no_grad():
+            model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False)
+    finally:
+        model.forward = eager_forward
+    assert checked  # the decode graph was compiled, its inputs looked at
+
+
 def test_decode_attention_forward_has_no_graph_break():
     model = tiny_llama().to(DEVICE)
     hqekv.patch_model(model, ratios=MIXED)

@@ -112,3 +112,14 @@ def test_chunk_pools_round_trip_per_tier(component):
     for tier in (INT4, INT2, INT1):
         pool = encode_chunks(constant, tier, component, 32, torch.float16)
         assert torch.equal(decode_chunks(pool, tier, component, 32, 64, 32, torch.float16), constant)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4])
+def test_tables_written_by_fill_kernels_equal_the_copied_ones(bits):
+    """While a CUDA graph records, the normal tables are written by fill kernels (no host
+    copy): the same float32 values to the bit."""
+    from hqekv.quantization import filled
+
+    for table in normal_tables(bits):
+        got = filled(table.tolist(), table.device)
+        assert got.dtype == torch.float32 and torch.equal(got.view(torch.int32), table.view(torch.int32))

@@ -548,6 +548,17 @@ def default_splits(batch: int, kv_heads: int, n_chunks: int, device: torch.devic
     return max(1, min(n_chunks, math.ceil(target / max(1, batch * kv_heads))))
 
 
+TRITON_MAX_ROWS = 64
+"""Most query rows (new tokens × query heads per KV head) one program of the Triton kernel
+holds: it keeps them, and their scores against every new token, in registers. Decoding
+(a token, or a few drafted ones) fits; a chunk of a prompt runs the tiled attention."""
+
+
+def triton_fits(query: torch.Tensor, key: torch.Tensor) -> bool:
+    """Whether the Triton kernel takes these queries (B, Hq, S, D) over keys (B, Hkv, S, D)."""
+    return query.shape[1] // max(1, key.shape[1]) * query.shape[2] <= TRITON_MAX_ROWS
+
+
 def mixed_attention_triton(
     query, key, value, new_valid, k_pools, v_pools, k_tier, k_slot, v_tier, v_slot, tail_k, tail_v, tail_len,
     scaling: float, value_group: int, n_splits: int | None = None,
@@ -559,6 +570,11 @@ def mixed_attention_triton(
     hkv, g = key.shape[1], tail_k.shape[2]
     c = k_tier.shape[1]
     gq = hq // hkv
+    torch._check(
+        triton_fits(query, key),
+        lambda: f"{s} new tokens × {gq} query heads per KV head are more rows than the Triton kernel holds "
+        f"({TRITON_MAX_ROWS}); mixed_attention_reference tiles them",
+    )
     query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
     k_pools = [t.contiguous() for t in k_pools]
     v_pools = [t.contiguous() for t in v_pools]

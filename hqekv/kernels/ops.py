@@ -19,7 +19,7 @@ from torch import Tensor
 from . import cpu
 from ._triton import HAVE_TRITON
 from .dequantize import dequantize_reference, dequantize_triton
-from .mixed_attention import mixed_attention_reference, mixed_attention_triton
+from .mixed_attention import mixed_attention_reference, mixed_attention_triton, triton_fits
 from .quantize_pack import packed_shapes, quantize_pack_reference, quantize_pack_triton
 
 
@@ -137,16 +137,24 @@ if USE_TRITON:
     @mixed_attention.register_kernel("cuda")
     def _(query, key, value, new_valid, k_pools, v_pools, k_tier, k_slot, v_tier, v_slot, tail_k, tail_v, tail_len,
           scaling, value_group):  # fmt: skip
-        return mixed_attention_triton(
+        return mixed_attention_cuda(
             query, key, value, new_valid, k_pools, v_pools, k_tier, k_slot, v_tier, v_slot, tail_k, tail_v, tail_len,
             scaling, value_group,
         )  # fmt: skip
 
 
+def mixed_attention_cuda(*args) -> Tensor:
+    """The Triton kernel for decoding; a prompt's chunk (more query rows than a program of
+    the kernel holds) runs the tiled PyTorch attention on the GPU."""
+    if triton_fits(args[0], args[1]):
+        return mixed_attention_triton(*args)
+    return mixed_attention_reference(*args)
+
+
 _IMPLEMENTATIONS = {
     quantize_pack: (quantize_pack_reference, quantize_pack_triton),
     dequantize: (dequantize_reference, dequantize_triton),
-    mixed_attention: (mixed_attention_default, mixed_attention_triton),
+    mixed_attention: (mixed_attention_default, mixed_attention_cuda),
 }
 
 

@@ -279,3 +279,21 @@ def test_rotated_inputs_kernel_equals_reference_and_fp16_output_is_the_rotated_o
     if tiers == (0,):
         plain = mixed_attention_reference(**args, strategy="pools")
         torch.testing.assert_close(unrotate(expected, r), plain, atol=1e-5 * scale, rtol=0)
+
+
+def test_a_prompt_chunk_runs_the_tiled_attention_and_the_kernel_refuses_it():
+    """A chunk of a prompt is more query rows than a program of the Triton kernel holds (a
+    2048-token chunk of Llama-3-8B: 8192 rows, which Triton could not compile): the CUDA
+    dispatch gives it to the tiled attention, and the kernel itself says why it refuses."""
+    from hqekv.kernels.mixed_attention import TRITON_MAX_ROWS, triton_fits
+    from hqekv.kernels.ops import mixed_attention_cuda
+
+    s = TRITON_MAX_ROWS // 2 + 1  # two query heads per KV head: just over the limit
+    args = random_mixed_cache(dtype=torch.float32, b=1, hq=4, hkv=2, s=s, d=16, n_chunks=3, value_group=16)
+    assert not triton_fits(args["query"], args["key"])
+    expected = mixed_attention_reference(**args)
+    torch.testing.assert_close(mixed_attention_cuda(*args.values()), expected, atol=0, rtol=0)
+    with pytest.raises(RuntimeError, match="more rows than the Triton kernel holds"):
+        mixed_attention_triton(**args)
+    decode = random_mixed_cache(dtype=torch.float32, b=1, hq=4, hkv=2, s=TRITON_MAX_ROWS // 2, d=16, n_chunks=3, value_group=16)
+    assert triton_fits(decode["query"], decode["key"])
