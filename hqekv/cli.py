@@ -111,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(p)
     p.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS),
                    help="fp16, kivi:B, rkivi:B, evict:B, quanto:B, hqekv:B, rhqekv:B, paper:B, rpaper:B, random:B, auto:B, fallback:B")  # fmt: skip
-    p.add_argument("--tasks", nargs="+", default=list(DEFAULT_TASKS), help="needle, squad, ppl")
+    p.add_argument("--tasks", nargs="+", default=list(DEFAULT_TASKS), help="needle, squad, ppl, niah_multikey, niah_multivalue, vt, cwe, or ruler (the last four and squad)")
     p.add_argument("--samples", type=int, default=4, help="samples per task (default %(default)s)")
     p.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048], help="prompt lengths in tokens")
     p.add_argument("--seed", type=int, default=0)
@@ -341,8 +341,10 @@ def check_args(args) -> None:
         check_splittable(load_artifact(path))  # a missing, corrupt or split file fails here, not after the model loads
     elif args.command == "eval":
         from .eval.runner import check_request
+        from .eval.tasks import expand_tasks
 
         check_request(args.methods, args.tasks, args.samples, args.lengths)
+        args.tasks = expand_tasks(args.tasks)  # "ruler" recorded as the tasks it ran
     if getattr(args, "model", None):
         from .models import PACKAGED
 

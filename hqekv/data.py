@@ -11,6 +11,7 @@ import hashlib
 import importlib.resources
 import json
 import random
+import re
 from dataclasses import dataclass
 
 import torch
@@ -126,15 +127,38 @@ def haystack_with_needle(tokenizer, n_tokens: int, needle: str, depth: float, of
     The needle goes at a sentence boundary near the depth; ``offset`` (in characters) picks
     where in the essays the haystack starts.
     """
-    if not 0.0 <= depth <= 1.0:
-        raise ValueError(f"depth must be in [0, 1], got {depth}")
+    return haystack_with_needles(tokenizer, n_tokens, [needle], [depth], offset)
+
+
+def haystack_with_needles(tokenizer, n_tokens: int, needles: list[str], depths: list[float], offset: int = 0) -> str:
+    """About ``n_tokens`` tokens of essay text with each of ``needles`` inserted at its
+    relative depth (at a sentence boundary near it), in the order given where depths tie;
+    ``offset`` (in characters) picks where in the essays the haystack starts."""
+    if len(needles) != len(depths):
+        raise ValueError(f"{len(needles)} needles for {len(depths)} depths")
+    bad = [d for d in depths if not 0.0 <= d <= 1.0]
+    if bad:
+        raise ValueError(f"depth must be in [0, 1], got {bad[0]}")
     text = essays()
     ids = tokenizer(text[offset : offset + 8 * n_tokens], add_special_tokens=False)["input_ids"][:n_tokens]
     hay = tokenizer.decode(ids)
-    cut = int(len(hay) * depth)
-    boundary = hay.rfind(". ", 0, cut)
-    cut = boundary + 2 if boundary > 0 else cut
-    return f"{hay[:cut]} {needle} {hay[cut:]}"
+    cuts = []
+    for depth in depths:
+        cut = int(len(hay) * depth)
+        boundary = hay.rfind(". ", 0, cut)
+        cuts.append(boundary + 2 if boundary > 0 else cut)
+    pieces, start = [], 0
+    for cut, needle in sorted(zip(cuts, needles), key=lambda pair: pair[0]):  # stable: ties keep their order
+        pieces.append(f"{hay[start:cut]} {needle} ")
+        start = cut
+    return "".join(pieces) + hay[start:]
+
+
+@functools.lru_cache(maxsize=None)
+def essay_words() -> tuple[str, ...]:
+    """Distinct lower-case words of 5 to 10 letters in the essays, sorted: a seeded draw from
+    them names needles' keys, variables' values and the words of the common-words task."""
+    return tuple(sorted(set(re.findall(r"\b[a-z]{5,10}\b", essays()))))
 
 
 def passkey_prompt(tokenizer, n_tokens: int = 2000, depth: float = 0.5, seed: int = 0) -> tuple[str, str]:

@@ -10,7 +10,7 @@ from typing import Sequence
 import torch
 
 from .methods import Method, parse_method
-from .tasks import TASKS, f1_score
+from .tasks import TASK_GROUPS, TASKS, expand_tasks, f1_score
 
 DEFAULT_METHODS = ("fp16", "kivi:2", "kivi:4", "evict:2", "hqekv:2", "hqekv:3.2")
 DEFAULT_TASKS = ("needle", "squad", "ppl")
@@ -56,9 +56,9 @@ def check_request(methods, tasks, samples: int, lengths) -> list[Method]:
     under :data:`MIN_LENGTH` tokens: checked before any model runs (``hqekv eval`` checks
     before it loads the model)."""
     methods = [m if isinstance(m, Method) else parse_method(m) for m in methods]
-    unknown = [t for t in tasks if t not in TASKS]
+    unknown = [t for t in expand_tasks(tasks) if t not in TASKS]
     if unknown:
-        raise ValueError(f"unknown tasks {unknown}; available: {', '.join(TASKS)}")
+        raise ValueError(f"unknown tasks {unknown}; available: {', '.join([*TASKS, *TASK_GROUPS])}")
     if samples < 1 or not lengths or min(lengths) < MIN_LENGTH:
         raise ValueError(
             f"need samples >= 1 and lengths >= {MIN_LENGTH} tokens, got samples={samples}, lengths={list(lengths)}"
@@ -93,6 +93,7 @@ def evaluate(
     if is_patched(model):
         raise ValueError("evaluate an unpatched model: each method patches it for its own runs")
     methods = check_request(methods, tasks, samples, lengths)
+    tasks = expand_tasks(tasks)
     if prefill_chunk is not None and prefill_chunk < 1:
         raise ValueError(f"prefill_chunk={prefill_chunk}: a prompt chunk needs at least one token")
     rank, world = shard

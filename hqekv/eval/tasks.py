@@ -1,4 +1,5 @@
-"""Evaluation tasks, generated offline and seeded: needle, squad, ppl.
+"""Evaluation tasks, generated offline and seeded: needle, squad, ppl, and the RULER-style
+set (:mod:`hqekv.eval.ruler`).
 
 Each task makes :class:`Sample` s from the offline texts (``hqekv.data``) and scores a
 model on one sample through :func:`greedy_generate` or :func:`continuation_nll`, which
@@ -292,4 +293,15 @@ def _timed(record: dict, prefill_s: float, decode_s: float | None, n_new: int | 
     return record
 
 
-TASKS = {t.name: t for t in (NeedleTask(), SquadTask(), PerplexityTask())}
+from .ruler import RULER_TASKS  # noqa: E402 (its tasks build on this module's Task)
+
+TASKS = {t.name: t for t in (NeedleTask(), SquadTask(), PerplexityTask(), *RULER_TASKS)}
+
+TASK_GROUPS = {"ruler": (*(t.name for t in RULER_TASKS), "squad")}
+"""Names that stand for several tasks: ``ruler`` is the RULER-style set, its QA with
+distractors being ``squad``."""
+
+
+def expand_tasks(names) -> list[str]:
+    """Task names with each group replaced by its tasks, each task once, in first-seen order."""
+    return list(dict.fromkeys(t for name in names for t in TASK_GROUPS.get(name, (name,))))
