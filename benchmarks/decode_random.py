@@ -40,8 +40,14 @@ def main():
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = getattr(torch, args.dtype)
     torch.manual_seed(0)
-    with torch.device(device):
-        model = LlamaForCausalLM(LlamaConfig(**SHAPES[args.shape])).to(dtype).eval()
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # initialised in the dtype: 8B parameters never exist in fp32 (32 GB)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(LlamaConfig(**SHAPES[args.shape])).eval()
+    finally:
+        torch.set_default_dtype(default_dtype)
+    print(f"model ready: {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B parameters, {model.dtype}", flush=True)
     gen = torch.Generator().manual_seed(0)
     prompts = {n: torch.randint(0, model.config.vocab_size, (1, n), generator=gen).to(device) for n in args.lengths}
     warm = torch.randint(0, model.config.vocab_size, (1, 256), generator=gen).to(device)

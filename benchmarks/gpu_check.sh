@@ -34,7 +34,7 @@ status=0
 workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8" || true)
 timeout 150 python3 -m pytest -q -p no:cacheprovider $workers tests/kernels tests/test_compile.py tests/test_static.py -k "not smollm2" 2>&1 \
   | tee "$out/gpu_tests.log" || status=1
-timeout 60 python3 benchmarks/kernels.py --out "$out/gpu_kernels.json" || status=1
+timeout 60 python3 benchmarks/attention_kernels.py --out "$out/gpu_kernels.json" || status=1
 timeout 180 python3 benchmarks/decode_random.py --shape llama3-8b --lengths 8192 32768 --bavg 3.2 \
   --dtype bfloat16 --out "$out/gpu_decode.json" || status=1
 # Peak memory of a chunked prefill plus decode tokens (torch.cuda.max_memory_allocated), the

@@ -107,3 +107,13 @@ def test_the_import_scan_sees_relative_and_function_level_imports(tmp_path):
     assert "artifacts" in hqekv_imports(PACKAGE / "patching.py")  # imported inside a function
     assert "tiers" in hqekv_imports(PACKAGE / "kernels" / "mixed_attention.py")
     assert "mixed_attention" not in hqekv_imports(PACKAGE / "attention.py")
+
+
+def test_no_benchmark_script_hides_an_installed_package():
+    """``python benchmarks/X.py`` puts benchmarks/ first on the import path: a script named
+    like an installed package (``kernels``, which transformers imports when it is installed)
+    would be imported in its place and break every benchmark."""
+    import importlib.util
+
+    clashes = [p.name for p in sorted((ROOT / "benchmarks").glob("*.py")) if importlib.util.find_spec(p.stem) is not None]
+    assert not clashes, f"benchmark scripts named like installed packages: {clashes}"

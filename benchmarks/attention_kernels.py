@@ -13,7 +13,7 @@ protected FP16 chunks, placed by a random importance; quantized by ``hqekv::quan
 Times are medians of ``triton.testing.do_bench`` after warm-up, in the same process;
 bytes are those the cache stores. Needs a CUDA GPU.
 
-    python benchmarks/kernels.py --out benchmarks/results/gpu_kernels.json
+    python benchmarks/attention_kernels.py --out benchmarks/results/gpu_kernels.json
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ def main(argv=None) -> dict:
     elif torch.cuda.is_available():
         device, dtype = torch.device("cuda"), getattr(torch, args.dtype)
     else:
-        raise SystemExit("benchmarks/kernels.py needs a CUDA GPU (or --cpu-smoke to check the script on CPU)")
+        raise SystemExit("benchmarks/attention_kernels.py needs a CUDA GPU (or --cpu-smoke to check the script on CPU)")
     gen = torch.Generator(device=device).manual_seed(0)
     scaling = 1 / math.sqrt(D)
     q = torch.randn(1, HQ, 1, D, generator=gen, device=device).to(dtype)
