@@ -77,3 +77,22 @@ def test_ruler_names_the_set_and_unknown_tasks_are_refused_before_any_run():
     check_request(["fp16"], ["ruler"], 1, [256])
     with pytest.raises(ValueError, match="unknown tasks \\['rulers'\\].*ruler"):
         check_request(["fp16"], ["rulers"], 1, [256])
+
+
+def test_agreement_with_fp16_compares_the_strings_found_not_the_wording():
+    from hqekv.eval.runner import summarize
+
+    def record(method, index, found, prediction):
+        return {"task": "niah_multivalue", "index": index, "method": method, "found": found, "prediction": prediction,
+                "score": sum(found) / len(found), "cache_bytes": 1, "effective_bits": 1.0, "bavg": 1.0,
+                "prefill_s": 1.0, "ratios_source": None, "ratios": None}  # fmt: skip
+
+    records = [
+        record("fp16", 0, [True, True, False, False], "1 and 2."),
+        record("fp16", 1, [True, False, False, False], "1"),
+        record("m", 0, [True, True, False, False], "They are 1, then 2"),  # other words, the same found
+        record("m", 1, [False, True, False, False], "2"),  # two of four differ
+    ]
+    rows = {r["method"]: r for r in summarize(records)}
+    assert rows["fp16"]["agreement_with_fp16"] == 1.0
+    assert rows["m"]["agreement_with_fp16"] == pytest.approx((1.0 + 0.5) / 2)

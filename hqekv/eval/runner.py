@@ -179,9 +179,14 @@ def summarize(records: list[dict], by_length: bool = False) -> list[dict]:
             fp16_nll = [reference.get((task, r["index"]), {}).get("nll") for r in rs]
             if None not in fp16_nll:
                 row["nll_deviation_from_fp16"] = _mean(abs(r["nll"] - ref) for r, ref in zip(rs, fp16_nll))
-        agree = [(r["prediction"], reference.get((task, r["index"]), {}).get("prediction")) for r in rs if "prediction" in r]
-        if agree and all(ref is not None for _, ref in agree):
-            row["agreement_with_fp16"] = _mean(f1_score(p, ref) if task == "squad" else float(p == ref) for p, ref in agree)
+        if all("found" in r for r in rs):  # RULER-style: the same expected strings found as fp16 found
+            agree = [(r["found"], reference.get((task, r["index"]), {}).get("found")) for r in rs]
+            if all(ref is not None for _, ref in agree):
+                row["agreement_with_fp16"] = _mean(_mean(float(a == b) for a, b in zip(f, ref)) for f, ref in agree)
+        else:
+            agree = [(r["prediction"], reference.get((task, r["index"]), {}).get("prediction")) for r in rs if "prediction" in r]
+            if agree and all(ref is not None for _, ref in agree):
+                row["agreement_with_fp16"] = _mean(f1_score(p, ref) if task == "squad" else float(p == ref) for p, ref in agree)
         rows.append(row)
     return rows
 
