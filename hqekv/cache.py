@@ -45,6 +45,7 @@ from .config import HqeKVConfig
 from .layer_base import RowStateLayer, check_storable, fits_float16
 from .memory import cache_report
 from .pools import KEY, VALUE, ComponentPools, grown
+from .quantization import prepare_tables
 from .rerank import ChunkTable
 from .rotation import rotate, rotation_matrix, unrotate
 from .sliding import SlidingWindowLayer
@@ -123,6 +124,7 @@ class HqeKVLayer(RowStateLayer):
         self.meta_dtype = cfg.resolve_metadata_dtype(self.dtype)
         self.fp_dtype = cfg.resolve_fp_dtype(self.dtype)  # FP16 chunks, tail, window queries
         self.rotation = rotation_matrix(cfg.rotation, d, self.device)  # (D, D) float32 or None
+        prepare_tables(self.device)  # the kernels' quantile tables on the device, before any compiled step
         self.value_group = min(cfg.value_group, d)
         if d % self.value_group:
             raise ValueError(f"head dim {d} is not a multiple of the value channel group {self.value_group}")

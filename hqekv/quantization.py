@@ -76,21 +76,35 @@ def _normal_tables(bits: int) -> tuple[torch.Tensor, torch.Tensor]:
 def normal_tables(bits: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     """(boundaries (2**bits - 1,), centres (2**bits,)) float32 on ``device``.
 
-    While a CUDA graph is being recorded (a compiled decode step under ``mode="reduce-overhead"``)
-    no host memory may be copied to the GPU: the values are then written by fill kernels,
-    which the graph records and replays."""
+    Copied to a device once (:func:`prepare_tables`, from a cache's first input), not at every
+    kernel launch: a blocking host copy each time, which a CUDA graph being recorded (a
+    compiled decode step under ``mode="reduce-overhead"``) refuses. Should a graph record
+    before they are there, they are written by fill kernels that it records, and not kept
+    (that memory belongs to the graph's pool)."""
     device = torch.device(device)
     if device.type == "cpu":
         return _normal_tables(bits)
+    kept = _ON_DEVICE.get((bits, device))
+    if kept is not None:
+        return kept
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return tuple(filled(t.tolist(), device) for t in _normal_tables(bits))
-    return _device_tables(bits, device)
+    return _ON_DEVICE.setdefault((bits, device), tuple(t.to(device) for t in _normal_tables(bits)))
 
 
-@functools.lru_cache(maxsize=None)
-def _device_tables(bits: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The tables copied to ``device`` once, not at every kernel launch (a blocking host copy)."""
-    return tuple(t.to(device) for t in _normal_tables(bits))
+_ON_DEVICE: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+"""The tables on each device they were asked on, by (bits, device)."""
+
+
+def prepare_tables(device: torch.device | str) -> None:
+    """Copy every tier's tables to ``device`` now, from eager code (a cache's first input),
+    so that kernel launches, compiled or not, only read them: a first copy inside a compiled
+    step's CUDA-graph warm-up would be memory of the graphs' private pool that outlives the
+    step, which their checks refuse."""
+    device = torch.device(device)
+    if device.type != "cpu":
+        for bits in (1, 2, 4, 8):
+            normal_tables(bits, device)
 
 
 def filled(values: list[float], device: torch.device) -> torch.Tensor:

@@ -123,3 +123,17 @@ def test_tables_written_by_fill_kernels_equal_the_copied_ones(bits):
     for table in normal_tables(bits):
         got = filled(table.tolist(), table.device)
         assert got.dtype == torch.float32 and torch.equal(got.view(torch.int32), table.view(torch.int32))
+
+
+def test_tables_are_copied_to_a_device_once_when_a_cache_starts():
+    """Kernel launches read the tables a cache's first input put on its device: no host copy
+    per launch (blocking, and refused while a CUDA graph records). 'meta' stands in for a GPU."""
+    from hqekv.quantization import _ON_DEVICE, prepare_tables
+
+    device = torch.device("meta")
+    for key in [k for k in _ON_DEVICE if k[1] == device]:
+        del _ON_DEVICE[key]
+    prepare_tables(device)
+    for bits in (1, 2, 4):
+        first = normal_tables(bits, device)
+        assert first[0].device == device and all(a is b for a, b in zip(first, normal_tables(bits, device)))
