@@ -447,7 +447,7 @@ if HAVE_TRITON:
         s_vc0, s_vc1, s_vcg, s_vcn, s_vcw, s_vm0, s_vm1, s_vmg, s_vmn,
         s_v2c0, s_v2c1, s_v2cg, s_v2cn, s_v2cw, s_v2m0, s_v2m1, s_v2mg, s_v2mn,
         s_v1c0, s_v1c1, s_v1cg, s_v1cn, s_v1cw, s_v1m0, s_v1m1, s_v1mg, s_v1mn,
-        s_tb, s_tab, s_tb1, s_th, s_tg,
+        s_tb, s_tc, s_tab, s_tb1, s_th, s_tg,
         # compile-time
         BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
         DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr, PACKED_V: tl.constexpr,
@@ -477,10 +477,10 @@ if HAVE_TRITON:
 
         # 2. this split's chunks, each read at its own tier
         for c in range(split * CPS, tl.minimum(C, split * CPS + CPS)):
-            kt = tl.load(kt_ptr + b * s_tb + c)
-            ks = tl.load(ks_ptr + b * s_tb + c)
-            vt = tl.load(vt_ptr + b * s_tb + c)
-            vs = tl.load(vs_ptr + b * s_tb + c)
+            kt = tl.load(kt_ptr + b * s_tb + c * s_tc)
+            ks = tl.load(ks_ptr + b * s_tb + c * s_tc)
+            vt = tl.load(vt_ptr + b * s_tb + c * s_tc)
+            vs = tl.load(vs_ptr + b * s_tb + c * s_tc)
             if kt >= 0:
                 k = tl.zeros((BLOCK_G, BLOCK_D), tl.float32)
                 if kt == 0:
@@ -578,7 +578,10 @@ def mixed_attention_triton(
     query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
     k_pools = [t.contiguous() for t in k_pools]
     v_pools = [t.contiguous() for t in v_pools]
-    tables = [t.contiguous() for t in (k_tier, k_slot, v_tier, v_slot)]
+    # the tables as they are (a cache keeps them column-major): one layout for the four
+    tables = [k_tier, k_slot, v_tier, v_slot]
+    if any(t.stride() != k_tier.stride() for t in tables):
+        tables = [t.contiguous() for t in tables]
     tail_k, tail_v, tail_len = tail_k.contiguous(), tail_v.contiguous(), tail_len.contiguous()
     splits = n_splits or default_splits(b, hkv, c, query.device)
     cps = max(1, math.ceil(c / splits))
@@ -607,7 +610,7 @@ def mixed_attention_triton(
         query.stride(0), query.stride(1), query.stride(2), key.stride(0), key.stride(1), key.stride(2),
         fp.stride(0), fp.stride(1), fp.stride(2),
         *quantized_strides,
-        tables[0].stride(0), tail_k.stride(0), tail_len.stride(0), tail_k.stride(1), tail_k.stride(2),
+        tables[0].stride(0), tables[0].stride(1), tail_k.stride(0), tail_len.stride(0), tail_k.stride(1), tail_k.stride(2),
         BLOCK_R=block_r, BLOCK_G=max(32, next_power_of_2(g)), BLOCK_S=max(16, next_power_of_2(s)),
         BLOCK_D=max(16, next_power_of_2(d)), DOT_DTYPE=dot_dtype, IEEE=dot_dtype == tl.float32,
         PACKED_V=packed_value_tiles(value_group, d),

@@ -297,3 +297,16 @@ def test_a_prompt_chunk_runs_the_tiled_attention_and_the_kernel_refuses_it():
         mixed_attention_triton(**args)
     decode = random_mixed_cache(dtype=torch.float32, b=1, hq=4, hkv=2, s=TRITON_MAX_ROWS // 2, d=16, n_chunks=3, value_group=16)
     assert triton_fits(decode["query"], decode["key"])
+
+
+def test_the_kernel_reads_column_major_tables_as_a_cache_keeps_them():
+    """A cache keeps its chunk tables column-major (their width in no stride, for compiled
+    steps); the kernel reads them in place, with the same result as contiguous tables."""
+    args = random_mixed_cache(dtype=torch.float32, **MIXED_SHAPES["decode"])
+    expected = mixed_attention_reference(**args)
+    for name in ("k_tier", "k_slot", "v_tier", "v_slot"):
+        t = args[name]
+        args[name] = torch.empty_strided(t.shape, (1, t.shape[0]), dtype=t.dtype).copy_(t)
+        assert not args[name].is_contiguous()
+    got = mixed_attention_triton(**args)
+    torch.testing.assert_close(got, expected, atol=ATTENTION_TOL[torch.float32] * expected.abs().max().item(), rtol=0)
