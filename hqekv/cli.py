@@ -229,6 +229,13 @@ def _eval(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     model, tokenizer, model_id = load_model(args.model, args.gguf_file, dtype=model_dtype(args))
+    from .eval.runner import check_methods, check_request
+
+    try:  # before any sample runs: a method this model cannot take loses no finished work
+        check_methods(model, check_request(args.methods, args.tasks, args.samples, args.lengths))
+    except ValueError as err:
+        print(f"hqekv eval: {err}", file=sys.stderr)
+        return 2
     records = run_evaluation(args, model, tokenizer)
     payload = write_results(records, args.out, eval_settings(args, args.model_id or model_id, model))
     print((Path(args.out) / "results.md").read_text())

@@ -240,3 +240,35 @@ def test_plot_writes_one_png_per_task_with_an_off_scale_point(tmp_path):
              "higher_is_better": False} for m, b, s in (("fp16", 32, 18.0), ("quanto:2", 3.0, 137.0), ("quanto:4", 5.0, 18.2))]  # fmt: skip
     written = plot(rows, tmp_path)
     assert [p.name for p in written] == ["ppl.png"] and written[0].stat().st_size > 1000
+
+
+def test_a_method_the_model_cannot_take_fails_before_any_sample_runs():
+    """transformers' quantized cache refuses models with sliding-window layers (Gemma 3): the
+    run stops before fp16's samples, naming the method, instead of after them."""
+    from hqekv.eval.runner import check_methods
+
+    from .families import tiny_model
+
+    model = tiny_model("gemma3_text")
+    check_methods(model, [parse_method(m) for m in ("fp16", "hqekv:2", "evict:2")])
+    with pytest.raises(ValueError, match="method quanto:4 cannot run on this model: .*sliding"):
+        check_methods(model, [parse_method(m) for m in ("fp16", "quanto:4")])
+    calls = []
+
+    class Probe:  # a task that records it ran: it must not, when a later method cannot run
+        name = "needle"
+
+        def samples(self, *args):
+            calls.append("samples")
+            return []
+
+    import hqekv.eval.runner as runner
+
+    original = runner.TASKS["needle"]
+    runner.TASKS["needle"] = Probe()
+    try:
+        with pytest.raises(ValueError, match="quanto:4"):
+            evaluate(model, None, ["fp16", "quanto:4"], ["needle"], samples=1, lengths=[256], progress=False)
+    finally:
+        runner.TASKS["needle"] = original
+    assert calls == []

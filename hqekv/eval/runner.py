@@ -66,6 +66,18 @@ def check_request(methods, tasks, samples: int, lengths) -> list[Method]:
     return methods
 
 
+def check_methods(model, methods: Sequence[Method]) -> None:
+    """Each method applied to ``model`` and its cache made once, before any sample runs: a
+    method the model cannot take (transformers' quantized cache on a model with sliding-window
+    layers, say) fails here with its name, not after the methods before it ran."""
+    for method in methods:
+        try:
+            with method.applied(model):
+                method.new_cache(model)
+        except ValueError as error:
+            raise ValueError(f"method {method.name} cannot run on this model: {error}") from error
+
+
 def evaluate(
     model,
     tokenizer,
@@ -93,6 +105,7 @@ def evaluate(
     if is_patched(model):
         raise ValueError("evaluate an unpatched model: each method patches it for its own runs")
     methods = check_request(methods, tasks, samples, lengths)
+    check_methods(model, methods)
     tasks = expand_tasks(tasks)
     if prefill_chunk is not None and prefill_chunk < 1:
         raise ValueError(f"prefill_chunk={prefill_chunk}: a prompt chunk needs at least one token")
