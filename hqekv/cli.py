@@ -210,14 +210,22 @@ def _split(args) -> int:
     return 0
 
 
-def run_evaluation(args, model, tokenizer, *, shard: tuple[int, int] = (0, 1), progress: bool = True) -> list[dict]:
+PARTIAL_RECORDS = "records.partial.jsonl"
+"""Where `hqekv eval` appends each record as it is made, in its --out directory; removed
+once results.json is written. A run cut short leaves its finished records there."""
+
+
+def run_evaluation(
+    args, model, tokenizer, *, shard: tuple[int, int] = (0, 1), progress: bool = True, on_record=None
+) -> list[dict]:
     """`hqekv eval` on a loaded model: this shard's per-sample records."""
     from .eval import evaluate
 
     return evaluate(
         model, tokenizer, args.methods, args.tasks, samples=args.samples, lengths=args.lengths, seed=args.seed,
         shard=shard, progress=progress and not args.no_progress, prefill_chunk=getattr(args, "prefill_chunk", None),
-    )
+        on_record=on_record,
+    )  # fmt: skip
 
 
 def _eval(args) -> int:
@@ -236,8 +244,19 @@ def _eval(args) -> int:
     except ValueError as err:
         print(f"hqekv eval: {err}", file=sys.stderr)
         return 2
-    records = run_evaluation(args, model, tokenizer)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    partial = out / PARTIAL_RECORDS
+    partial.unlink(missing_ok=True)
+    with partial.open("a") as kept:
+
+        def keep(record: dict) -> None:
+            kept.write(json.dumps(record, default=str) + "\n")
+            kept.flush()
+
+        records = run_evaluation(args, model, tokenizer, on_record=keep)
     payload = write_results(records, args.out, eval_settings(args, args.model_id or model_id, model))
+    partial.unlink()
     print((Path(args.out) / "results.md").read_text())
     print(f"wrote {args.out}/results.json ({len(payload['records'])} records), results.md and plots")
     return 0

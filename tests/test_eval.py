@@ -272,3 +272,38 @@ def test_a_method_the_model_cannot_take_fails_before_any_sample_runs():
     finally:
         runner.TASKS["needle"] = original
     assert calls == []
+
+
+def test_hqekv_eval_keeps_each_finished_record_on_disk_when_a_run_dies(tmp_path, monkeypatch):
+    import hqekv.cli as cli
+    import hqekv.eval.runner as runner
+    import torch
+
+    from hqekv.eval.tasks import Sample
+
+    from .conftest import tiny_llama
+
+    class Dies:  # the second sample's run fails, as a crash an hour in would
+        name = "needle"
+
+        def samples(self, tokenizer, n, lengths, seed):
+            return [Sample(f"s{i}", torch.randint(1, 128, (1, 40)), ["x"]) for i in range(n)]
+
+        def run(self, model, tokenizer, sample, cache=None, prefill_chunk=None):
+            if sample.id == "s1":
+                raise RuntimeError("died")
+            out = model(sample.input_ids, use_cache=True)
+            return {"prediction": "x", "score": 1.0, "prefill_s": 0.1}, out.past_key_values
+
+    monkeypatch.setitem(runner.TASKS, "needle", Dies())
+    monkeypatch.setattr("hqekv.models.load_model", lambda *a, **k: (tiny_llama(), None, "tiny"))
+    out = tmp_path / "run"
+    args = cli.build_parser().parse_args(
+        ["eval", "--model", "smollm2", "--methods", "fp16", "--tasks", "needle", "--samples", "2", "--lengths", "64",
+         "--out", str(out), "--no-progress"]
+    )  # fmt: skip
+    with pytest.raises(RuntimeError, match="died"):
+        cli._eval(args)
+    kept = [json.loads(line) for line in (out / cli.PARTIAL_RECORDS).read_text().splitlines()]
+    assert [(r["sample"], r["method"], r["score"]) for r in kept] == [("s0", "fp16", 1.0)]
+    assert kept[0]["cache_bytes"] > 0

@@ -90,6 +90,7 @@ def evaluate(
     shard: tuple[int, int] = (0, 1),
     progress: bool = True,
     prefill_chunk: int | None = None,
+    on_record=None,
 ) -> list[dict]:
     """Per-sample records of every method on every task (this shard's samples only).
 
@@ -97,6 +98,8 @@ def evaluate(
     runs samples ``rank, rank + world, ...``, so the shards of one run merge into it.
     ``prefill_chunk``: every method reads each prompt in forwards of that many tokens, as
     ``generate(prefill_chunk_size=...)`` does (a compressed cache compresses between them).
+    ``on_record(record)`` is called with each record as it is made (``hqekv eval`` keeps them
+    on disk, so that a run cut short keeps what it finished).
     """
     from tqdm.auto import tqdm
 
@@ -132,6 +135,8 @@ def evaluate(
                         **sample.meta,
                     )
                     records.append(record)
+                    if on_record is not None:
+                        on_record(record)
     return records
 
 
