@@ -21,6 +21,7 @@ turn's generation prompt.
 from __future__ import annotations
 
 import random
+import string
 
 from .. import data
 from .tasks import Sample, Task, _timed, greedy_generate
@@ -136,9 +137,11 @@ class VariableTrackingTask(RulerTask):
     max_new_tokens = 32
 
     def make(self, tokenizer, length, rng):
-        names = ["".join(rng.choice("ABCDEFGHIJKLMNOPQRSTUVWXYZ") for _ in range(5)) for _ in range(self.hops + 1)]
-        while len(set(names)) < len(names):  # distinct names, still seeded
-            names = ["".join(rng.choice("ABCDEFGHIJKLMNOPQRSTUVWXYZ") for _ in range(5)) for _ in range(self.hops + 1)]
+        names: list[str] = []
+        while len(names) < self.hops + 1:  # distinct five-letter names
+            name = "".join(rng.choice(string.ascii_uppercase) for _ in range(5))
+            if name not in names:
+                names.append(name)
         value = str(rng.randint(10_000, 99_999))
         needles = [f"VAR {names[0]} = {value}."] + [f"VAR {b} = VAR {a}." for a, b in zip(names, names[1:])]
         intro = "Memorize and track the chain(s) of variable assignment hidden in the following text."
