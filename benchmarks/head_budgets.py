@@ -53,10 +53,9 @@ def spent(d_k, d_v, d_e, k_tier, v_tier):
 
 
 def layer_comparison(query, key, value, config, bavg, value_group, scaling):
-    b, hkv, n, d = key.shape
+    _, hkv, n, d = key.shape
     g, m = config.chunk_size, config.window
     c = n // g
-    n_keep = c * g
     pos = torch.arange(n)[None]
     probs, _ = window_probabilities(
         query[:, :, -m:], pos[:, -m:], torch.ones(1, m, dtype=torch.bool), key, pos, torch.ones(1, n, dtype=torch.bool),
@@ -88,7 +87,7 @@ def layer_comparison(query, key, value, config, bavg, value_group, scaling):
     tk, tv = allocation.allocate(hk, hv, he, head_bytes_k, head_bytes_v, start_h, start_h, evictable_h, budget)
     rows["per_head"] = spent(hk, hv, he, tk, tv)
     rows["heads_split"] = float(((tk.view(hkv, c) != tk.view(hkv, c)[:1]).any(0)).float().mean())
-    return rows, float(n_keep)
+    return rows
 
 
 def main():
@@ -113,7 +112,7 @@ def main():
         total = {"per_chunk": 0.0, "per_head": 0.0}
         split = []
         for query, key, value in layers:
-            rows, _ = layer_comparison(query.float(), key.float(), value.float(), config, bavg, value_group, scaling)
+            rows = layer_comparison(query.float(), key.float(), value.float(), config, bavg, value_group, scaling)
             total["per_chunk"] += rows["per_chunk"]
             total["per_head"] += rows["per_head"]
             split.append(rows["heads_split"])

@@ -348,8 +348,8 @@ class HqeKVLayer(RowStateLayer):
         if width > w:
             self._set_table(ChunkTable(*(torch.nn.functional.pad(t, (0, width - w), value=-1) for t in self.table)))
         elif width < w:
-            # fresh strides: a compiled step assumes contiguous tables (a one-row slice keeps its old row stride)
-            narrow = (t[:, :width].clone(memory_format=torch.contiguous_format) for t in self.table)
+            # own storage, so the wider tables are freed (their layout for compiled steps: _mark_for_compile)
+            narrow = (t[:, :width].clone() for t in self.table)
             self._set_table(ChunkTable(*narrow))
 
     def _widen(self, width: int) -> None:

@@ -83,14 +83,20 @@ class RulerTask(Task):
         return _timed(record, prefill_s, decode_s, len(new)), cache
 
 
-def _needles_in_essays(tokenizer, length: int, rng: random.Random, needles: list[str], question: str) -> str:
-    """The needles at seeded depths in essay text, so that the whole user turn is about ``length`` tokens."""
-    overhead = _tokens(tokenizer, f"{NEEDLE_INTRO}\n\n\n\n{question}") + sum(_tokens(tokenizer, n) + 2 for n in needles)
-    depths = [rng.uniform(0.05, 0.95) for _ in needles]
+def _depths(rng: random.Random, n: int) -> list[float]:
+    return [rng.uniform(0.05, 0.95) for _ in range(n)]
+
+
+def _needles_in_essays(
+    tokenizer, length: int, rng: random.Random, intro: str, needles: list[str], depths: list[float], question: str
+) -> str:
+    """The user turn: ``intro``, essay text with the needles at their depths, ``question``;
+    about ``length`` tokens in all."""
+    overhead = _tokens(tokenizer, f"{intro}\n\n\n\n{question}") + sum(_tokens(tokenizer, n) + 2 for n in needles)
     hay = data.haystack_with_needles(
         tokenizer, max(32, length - overhead), needles, depths, offset=rng.randint(0, 100_000)
     )
-    return f"{NEEDLE_INTRO}\n\n{hay}\n\n{question}"
+    return f"{intro}\n\n{hay}\n\n{question}"
 
 
 class MultiKeyNeedleTask(RulerTask):
@@ -106,7 +112,7 @@ class MultiKeyNeedleTask(RulerTask):
         asked = rng.randrange(self.keys)
         needles = [f"One of the special magic numbers for {k} is: {v}." for k, v in zip(keys, values)]
         question = f"What is the special magic number for {keys[asked]} mentioned in the provided text?"
-        user = _needles_in_essays(tokenizer, length, rng, needles, question)
+        user = _needles_in_essays(tokenizer, length, rng, NEEDLE_INTRO, needles, _depths(rng, len(needles)), question)
         prefix = f" The special magic number for {keys[asked]} mentioned in the provided text is"
         return user, prefix, [values[asked]], {"key": keys[asked], "distractors": self.keys - 1}
 
@@ -123,7 +129,7 @@ class MultiValueNeedleTask(RulerTask):
         values = [_number(rng) for _ in range(self.values)]
         needles = [f"One of the special magic numbers for {key} is: {v}." for v in values]
         question = f"What are all the special magic numbers for {key} mentioned in the provided text?"
-        user = _needles_in_essays(tokenizer, length, rng, needles, question)
+        user = _needles_in_essays(tokenizer, length, rng, NEEDLE_INTRO, needles, _depths(rng, len(needles)), question)
         prefix = f" The special magic numbers for {key} mentioned in the provided text are"
         return user, prefix, values, {"key": key}
 
@@ -146,13 +152,10 @@ class VariableTrackingTask(RulerTask):
         needles = [f"VAR {names[0]} = {value}."] + [f"VAR {b} = VAR {a}." for a, b in zip(names, names[1:])]
         intro = "Memorize and track the chain(s) of variable assignment hidden in the following text."
         question = f"Question: Find all variables that are assigned the value {value} in the text above."
-        overhead = _tokens(tokenizer, f"{intro}\n\n\n\n{question}") + sum(_tokens(tokenizer, n) + 2 for n in needles)
-        depths = sorted(rng.uniform(0.05, 0.95) for _ in needles)  # the chain in reading order
-        hay = data.haystack_with_needles(
-            tokenizer, max(32, length - overhead), needles, depths, offset=rng.randint(0, 100_000)
-        )
+        depths = sorted(_depths(rng, len(needles)))  # the chain in reading order
+        user = _needles_in_essays(tokenizer, length, rng, intro, needles, depths, question)
         prefix = f" According to the chain(s) of variable assignment in the text above, {self.hops + 1} variables are assigned the value {value}, they are:"
-        return f"{intro}\n\n{hay}\n\n{question}", prefix, names, {"value": value}
+        return user, prefix, names, {"value": value}
 
 
 class CommonWordsTask(RulerTask):
