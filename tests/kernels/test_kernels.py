@@ -40,6 +40,12 @@ def meta_dtype_for(dtype):
     return torch.bfloat16 if dtype == torch.bfloat16 else torch.float16
 
 
+def to_device(args: dict) -> dict:
+    """Keyword arguments of ``mixed_attention`` with every tensor on the test device."""
+    return {k: ([t.to(DEVICE) for t in v] if isinstance(v, list) else v.to(DEVICE) if torch.is_tensor(v) else v)
+            for k, v in args.items()}  # fmt: skip
+
+
 def chunks_for(shape, dtype, seed=0):
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(shape, generator=gen) * torch.linspace(0.1, 8.0, shape[-1])  # channels of different scales
@@ -108,8 +114,7 @@ def test_mixed_attention_kernel_equals_reference(name, dtype):
     expected = mixed_attention_reference(**args, strategy="pools")
     torch.testing.assert_close(mixed_attention_reference(**args, strategy="dense").float(), expected.float(),
                                atol=ATTENTION_TOL[dtype] * expected.abs().max().item(), rtol=0)  # fmt: skip
-    on_device = {k: ([t.to(DEVICE) for t in v] if isinstance(v, list) else v.to(DEVICE) if torch.is_tensor(v) else v)
-                 for k, v in args.items()}  # fmt: skip
+    on_device = to_device(args)
     tol = ATTENTION_TOL[dtype]
     scale = expected.abs().max().item()
     for splits in (1, 2):
@@ -131,8 +136,7 @@ def test_mixed_attention_fp32_queries_over_16_bit_full_precision_parts(fp_dtype)
     scale = expected.abs().max().item()
     for strategy in ("pools", "dense"):
         torch.testing.assert_close(mixed_attention_reference(**args, strategy=strategy), expected, atol=2e-5 * scale, rtol=0)
-    on_device = {k: ([t.to(DEVICE) for t in v] if isinstance(v, list) else v.to(DEVICE) if torch.is_tensor(v) else v)
-                 for k, v in args.items()}  # fmt: skip
+    on_device = to_device(args)
     got = mixed_attention_triton(**on_device).cpu()
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, expected, atol=ATTENTION_TOL[torch.float32] * scale, rtol=0)
@@ -169,8 +173,7 @@ def test_mixed_attention_query_that_sees_nothing_gets_zeros():
     assert torch.isfinite(expected).all()
     assert torch.equal(mixed_attention_reference(**args, strategy="dense")[0, 0], expected[0, 0])
     assert torch.equal(mixed_attention_reference(**args, strategy="tiles")[0, 0], expected[0, 0])
-    on_device = {k: ([t.to(DEVICE) for t in v] if isinstance(v, list) else v.to(DEVICE) if torch.is_tensor(v) else v)
-                 for k, v in args.items()}  # fmt: skip
+    on_device = to_device(args)
     got = mixed_attention_triton(**on_device).cpu()
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
 
@@ -272,9 +275,7 @@ def test_rotated_inputs_kernel_equals_reference_and_fp16_output_is_the_rotated_o
                    v_pools=[rotate(args["v_pools"][0], r), *args["v_pools"][1:]])  # fmt: skip
     expected = mixed_attention_reference(**rotated, strategy="pools")
     scale = expected.abs().max().item()
-    on_device = {k: ([t.to(DEVICE) for t in v] if isinstance(v, list) else v.to(DEVICE) if torch.is_tensor(v) else v)
-                 for k, v in rotated.items()}  # fmt: skip
-    got = mixed_attention_triton(**on_device).cpu()
+    got = mixed_attention_triton(**to_device(rotated)).cpu()
     torch.testing.assert_close(got, expected, atol=ATTENTION_TOL[torch.float32] * scale, rtol=0)
     if tiers == (0,):
         plain = mixed_attention_reference(**args, strategy="pools")
@@ -302,11 +303,11 @@ def test_a_prompt_chunk_runs_the_tiled_attention_and_the_kernel_refuses_it():
 def test_the_kernel_reads_column_major_tables_as_a_cache_keeps_them():
     """A cache keeps its chunk tables column-major (their width in no stride, for compiled
     steps); the kernel reads them in place, with the same result as contiguous tables."""
-    args = random_mixed_cache(dtype=torch.float32, **MIXED_SHAPES["decode"])
+    args = random_mixed_cache(dtype=torch.float32, device=DEVICE, **MIXED_SHAPES["decode"])
     expected = mixed_attention_reference(**args)
     for name in ("k_tier", "k_slot", "v_tier", "v_slot"):
         t = args[name]
-        args[name] = torch.empty_strided(t.shape, (1, t.shape[0]), dtype=t.dtype).copy_(t)
+        args[name] = torch.empty_strided(t.shape, (1, t.shape[0]), dtype=t.dtype, device=t.device).copy_(t)
         assert not args[name].is_contiguous()
     got = mixed_attention_triton(**args)
     torch.testing.assert_close(got, expected, atol=ATTENTION_TOL[torch.float32] * expected.abs().max().item(), rtol=0)
