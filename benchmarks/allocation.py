@@ -3,7 +3,7 @@
     python benchmarks/allocation.py [--model smollm2] [--context 2048] [--segments 2]
                                     [--methods hqekv:2 fallback:2 auto:2.5] [--out NAME]
 
-Text: the calibration articles (the first SQuAD v2 dev articles, ``hqekv.data.calibration_text``),
+Text: the calibration articles (the first SQuAD v2 dev articles, ``hqekv.texts.calibration_text``),
 which the evaluation never reads, so that designing the allocator here does not tune it to
 the evaluation's tasks. Each segment's context is prefilled through the method's cache, then
 its 128-token continuation goes in 32-token forwards (the cache re-ranks between them), and
@@ -20,9 +20,9 @@ import torch
 from common import save
 
 import hqekv
-from hqekv.data import calibration_text
+from hqekv.texts import calibration_text
 from hqekv.eval.methods import parse_method
-from hqekv.models import load_model
+from hqekv.packaged_models import load_model
 
 
 def continuation_logprobs(model, context, continuation, step=32):

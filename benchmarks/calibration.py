@@ -19,7 +19,7 @@ from common import load_smollm2, save
 import torch
 from hqekv.artifacts import report_path, shipped_artifacts
 from hqekv.calibration import CONTINUATION_TOKENS, CompressionObjective, ratios_from_free, reference_style_kl
-from hqekv.data import calibration_text
+from hqekv.texts import calibration_text
 
 
 def main():

@@ -15,14 +15,14 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def load_smollm2():
-    from hqekv.models import SMOLLM2, load_model
+    from hqekv.packaged_models import SMOLLM2, load_model
 
     model, tokenizer, _ = load_model(SMOLLM2)
     return model, tokenizer
 
 
 def essay_ids(tokenizer, n_tokens: int) -> torch.Tensor:
-    from hqekv.data import essays
+    from hqekv.texts import essays
 
     ids = tokenizer(essays()[: 8 * n_tokens], add_special_tokens=False, return_tensors="pt").input_ids
     if ids.shape[1] < n_tokens:

@@ -20,9 +20,9 @@ from common import save
 import hqekv
 from hqekv import allocation
 from hqekv.cache import HqeKVLayer
-from hqekv.data import calibration_text
+from hqekv.texts import calibration_text
 from hqekv.importance import window_probabilities
-from hqekv.models import load_model
+from hqekv.packaged_models import load_model
 from hqekv.tiers import EVICTED
 
 

@@ -20,7 +20,7 @@ import torch
 
 import hqekv
 from hqekv.cache import HqeKVCache
-from hqekv.models import MODEL_NAMES, SMOLLM2, load_model
+from hqekv.packaged_models import MODEL_NAMES, SMOLLM2, load_model
 from hqekv.patches import sliding_windows
 from hqekv.patching import resolve_config
 

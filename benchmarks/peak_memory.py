@@ -102,7 +102,7 @@ def load(model_name: str, dtype: str | None, device: str):
             model = LlamaForCausalLM(LlamaConfig(**SHAPES[model_name])).to(getattr(torch, dtype or "bfloat16")).eval()
         gen = torch.Generator().manual_seed(0)
         return model, lambda n: torch.randint(0, model.config.vocab_size, (1, n), generator=gen).to(device)
-    from hqekv.models import load_model
+    from hqekv.packaged_models import load_model
 
     model, tokenizer, _ = load_model(model_name, dtype=getattr(torch, dtype) if dtype else None)
     return model.to(device), lambda n: essay_ids(tokenizer, n).to(device)
@@ -122,7 +122,14 @@ def run_one(spec: dict) -> dict:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if spec.get("threads"):
         torch.set_num_threads(spec["threads"])
+    began = time.perf_counter()
+
+    def progress(what: str) -> None:  # to stderr as it happens: a case cut short still says where it was
+        print(f"  [{spec['cache']} {spec['tokens']}] {what} at {time.perf_counter() - began:.1f} s", file=sys.stderr,
+              flush=True)  # fmt: skip
+
     model, prompt = load(spec["model"], spec.get("dtype"), device)
+    progress("model loaded")
     if spec["cache"] != "dynamic":
         bavg, _, ratios = spec["cache"].partition(":")
         hqekv.patch_model(model, float(bavg), **({"ratios": ratios} if ratios else {}))
@@ -142,12 +149,14 @@ def run_one(spec: dict) -> dict:
             )  # fmt: skip
 
     generate(prompt(min(512, spec["tokens"])), 2)  # warm-up: thread pools, kernel libraries
+    progress("warmed up")
     del times[:]
     meter = PeakMeter(device)
     meter.start()
     start = time.perf_counter()
     out = generate(ids, spec["new_tokens"])
     peak = meter.stop()
+    progress(f"prefill {times[0] - start:.1f} s, then {len(times) - 1} decode steps in {times[-1] - times[0]:.1f} s")
     cache = output_cache(out)
     row = {
         **spec,
@@ -195,13 +204,13 @@ def main():
             for cache in ["dynamic", *args.bavg]:
                 spec = dict(model=model_name, tokens=int(tokens), chunk=chunk or None, cache=cache,
                             new_tokens=args.new_tokens, dtype=args.dtype, threads=args.threads)  # fmt: skip
+                # the case's stderr (its progress, any traceback) goes straight to ours
                 done = subprocess.run(
-                    [sys.executable, __file__, "--one", json.dumps(spec)], capture_output=True, text=True, env=env
+                    [sys.executable, __file__, "--one", json.dumps(spec)], stdout=subprocess.PIPE, text=True, env=env
                 )
                 lines = [line for line in done.stdout.splitlines() if line.startswith("ROW ")]
                 if done.returncode or not lines:
-                    print(done.stderr[-3000:], file=sys.stderr)
-                    rows.append({**spec, "error": done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "?"})
+                    rows.append({**spec, "error": f"exit status {done.returncode} (its stderr is above)"})
                     continue
                 row = json.loads(lines[-1][4:])
                 if cache == "dynamic":

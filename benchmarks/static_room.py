@@ -5,7 +5,7 @@
 SmolLM2 with its shipped ratios, a prompt of ``--length`` essay tokens, greedy ``generate``
 of ``--new`` tokens, eager, fp32: once over a cache without ``max_length`` (storage exactly
 what the chunks need) and once over a static cache sized for the whole request, per growth
-factor (``hqekv.pools.GROWTH``). Recorded per run: the reserve's share of the cache after the
+factor (``hqekv.cache.rows.GROWTH``). Recorded per run: the reserve's share of the cache after the
 prefill and at the end, the static cache's bytes against the exact one's, how many times a
 decode step found its storage moved (each is a CUDA graph re-recording), and that both gave
 the same tokens. Writes ``results/static_room.json``.
@@ -20,7 +20,7 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
 import hqekv
-import hqekv.pools
+import hqekv.cache.rows
 
 
 def decode_addresses(cache) -> tuple[int, ...]:
@@ -68,7 +68,7 @@ def main() -> None:
         hqekv.patch_model(model, bavg=bavg)
         exact_out, exact, _ = run(model, ids, args.new, None)
         for growth in args.growth:
-            hqekv.pools.GROWTH = growth
+            hqekv.cache.rows.GROWTH = growth
             out, report, moves = run(model, ids, args.new, args.length + args.new - 1)
             row = {
                 "bavg": bavg,

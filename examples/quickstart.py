@@ -12,8 +12,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 import hqekv  # noqa: E402
-from hqekv.data import chat, haystack_with_needle  # noqa: E402
-from hqekv.models import SMOLLM2, load_model  # noqa: E402
+from hqekv.texts import chat, haystack_with_needle  # noqa: E402
+from hqekv.packaged_models import SMOLLM2, load_model  # noqa: E402
 
 FACT = "The password for the office wifi is BlueTiger42."
 QUESTION = "What is the password for the office wifi?"

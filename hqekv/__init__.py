@@ -5,8 +5,7 @@
 ACL 2026).
 """
 
-from .cache import HqeKVCache, HqeKVLayer
-from .sliding import SlidingWindowLayer
+from .cache import HqeKVCache, HqeKVLayer, SlidingWindowLayer
 from .config import FP16_RATIOS, HqeKVConfig, TierRatios, uncalibrated_ratios
 from .calibration import calibrate
 from .memory import MemoryReport

@@ -15,7 +15,7 @@ from .eval.runner import DEFAULT_METHODS, DEFAULT_TASKS
 
 def _add_model_args(p: argparse.ArgumentParser, required: bool = True) -> None:
     p.add_argument(
-        "--model", required=required, help='Hub id or directory of a causal LM, or a packaged model: smollm2, qwen2.5-coder, gemma3 (hqekv.models)'
+        "--model", required=required, help='Hub id or directory of a causal LM, or a packaged model: smollm2, qwen2.5-coder, gemma3 (hqekv.packaged_models)'
     )
     p.add_argument("--gguf-file", help="GGUF file inside --model to load")
     p.add_argument("--model-id", help="model id recorded in artifacts (default: --model, or the Hub id of a packaged model)")
@@ -180,7 +180,7 @@ def print_calibration(results) -> None:
 def _calibrate(args) -> int:
     import torch
 
-    from .models import load_model
+    from .packaged_models import load_model
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -196,7 +196,7 @@ def _split(args) -> int:
 
     from .artifacts import check_fits, load_artifact
     from .calibration import split_artifact
-    from .models import load_model, model_config
+    from .packaged_models import load_model, model_config
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -232,7 +232,7 @@ def _eval(args) -> int:
     import torch
 
     from .eval import write_results
-    from .models import load_model
+    from .packaged_models import load_model
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -300,7 +300,7 @@ def _info(args) -> int:
             a = load_artifact(f)
             records.append(("artifact", a.describe(), {"path": str(a.path), "ratios": a.ratios.as_tuple(), **a.metadata}))
     if args.model:
-        from .models import model_config
+        from .packaged_models import model_config
         from .patches import SUPPORTED_MODEL_TYPES
 
         config = model_config(args.model, args.gguf_file)
@@ -372,7 +372,7 @@ def check_args(args) -> None:
         check_request(args.methods, args.tasks, args.samples, args.lengths)
         args.tasks = expand_tasks(args.tasks)  # "ruler" recorded as the tasks it ran
     if getattr(args, "model", None):
-        from .models import PACKAGED
+        from .packaged_models import PACKAGED
 
         if args.model in PACKAGED and getattr(args, "gguf_file", None):
             raise ValueError(f"--gguf-file does not apply to the packaged model {args.model!r}: it is one GGUF file already")

@@ -91,7 +91,7 @@ def window_tiles(queries, query_pos, query_valid, tiles, scaling, lse):
         yield start, keys, values, probs, visible
 
 
-def window_attention(
+def window_query_attention(
     queries: torch.Tensor,
     query_pos: torch.Tensor,
     query_valid: torch.Tensor,
@@ -112,7 +112,7 @@ def window_attention(
 
 def per_token_attention(probs: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
     """(B, Hkv, g, m, N) window probabilities, (B, m, N) visibility -> (B, Hkv, N) the paper's
-    per-token attention (:func:`window_attention`)."""
+    per-token attention (:func:`window_query_attention`)."""
     seen_by = visible.sum(1).clamp(min=1)  # (B, N)
     per_token = probs.sum(3) / seen_by[:, None, None, :]  # (B, Hkv, g, N)
     return per_token.mean(2)

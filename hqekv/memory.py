@@ -7,8 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .pools import KEY, VALUE
-from .tiers import FP16, QUANTIZED_TIERS, TIER_CODE_BITS, TIER_NAMES
+from .tiers import FP16, KEY, QUANTIZED_TIERS, TIER_CODE_BITS, TIER_NAMES, VALUE
 
 
 OVER_BUDGET_WARNING = 1.0

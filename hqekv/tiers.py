@@ -42,6 +42,9 @@ TIER_CODE_BITS = tuple(t.code_bits for t in TIERS)
 TIER_FORMATS = {t: (TIERS[t].code_bits, TIERS[t].normalized) for t in QUANTIZED_TIERS}
 """Quantized tier -> (bits, normalized), the arguments of the quantize/dequantize kernels."""
 
+KEY, VALUE = "k", "v"
+"""The two components a chunk is stored as, each at its own tier: keys and values."""
+
 TILE_CHUNKS = 64
 """Chunks a streamed pass over a layer's storage holds dequantized at a time (the CPU
 attention's tiles, re-quantization's batches in a re-rank, and

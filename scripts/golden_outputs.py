@@ -24,15 +24,15 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # tests.families: the tiny models of every family
+sys.path.insert(0, str(ROOT))  # tests.helpers: the tiny models of every family
 
 import hqekv  # noqa: E402
 from hqekv.patching import output_cache  # noqa: E402
 
 
 def _smollm2():
-    from hqekv.data import essays
-    from hqekv.models import SMOLLM2, load_model
+    from hqekv.texts import essays
+    from hqekv.packaged_models import SMOLLM2, load_model
 
     model, tokenizer, _ = load_model(SMOLLM2)
     ids = tokenizer(essays()[:6000], add_special_tokens=False, return_tensors="pt").input_ids[:, :700]
@@ -40,7 +40,7 @@ def _smollm2():
 
 
 def _tiny(family: str):
-    from tests.families import tiny_model
+    from tests.helpers import tiny_model
 
     model = tiny_model(family)
     ids = torch.randint(3, model.config.vocab_size, (1, 150), generator=torch.Generator().manual_seed(0))

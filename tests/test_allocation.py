@@ -9,10 +9,10 @@ import torch
 
 import hqekv
 from hqekv import allocation, importance
-from hqekv.pools import KEY, VALUE, encode_chunks
+from hqekv.cache.pools import KEY, VALUE, encode_chunks
 from hqekv.tiers import EVICTED, FP16, INT1, INT2, INT4
 
-from .conftest import stored_bytes, tiny_llama
+from .helpers import stored_bytes, tiny_llama
 
 
 @pytest.mark.parametrize("head_dim,value_group", [(64, 64), (16, 16), (96, 32)])
@@ -29,7 +29,7 @@ def test_chunk_bytes_are_the_bytes_a_pool_slot_holds(head_dim, value_group, meta
 
 
 def test_tier_error_is_the_error_of_the_stored_chunk():
-    from hqekv.pools import decode_chunks
+    from hqekv.cache.pools import decode_chunks
 
     chunks = torch.randn(5, 2, 32, 64) * torch.linspace(0.1, 4, 64)
     for t in (INT4, INT2, INT1):
@@ -234,13 +234,13 @@ def test_the_budget_holds_at_every_rerank_through_prefill_and_decode(bavg):
         # each layer within its share of the budget, the shares within the model's budget
         total = torch.zeros(2, dtype=torch.float64)
         for layer in cache.hqekv_layers:
-            elements = layer.n_chunks * (2 * layer.num_kv_heads * 32 * layer.head_dim)
-            assert (chunk_bytes_of(layer) <= layer.budget_share * bavg / 8 * elements + 1e-6)[rows].all()
+            elements = layer.counters.n_chunks * (2 * layer.num_kv_heads * 32 * layer.head_dim)
+            assert (chunk_bytes_of(layer) <= layer.counters.budget_share * bavg / 8 * elements + 1e-6)[rows].all()
             assert layer.pending is None
             total += bavg / 8 * elements
         used = sum(chunk_bytes_of(layer) for layer in cache.hqekv_layers)
         assert (used <= total + 1e-6)[rows].all()
-        shares = torch.stack([layer.budget_share for layer in cache.hqekv_layers])
+        shares = torch.stack([layer.counters.budget_share for layer in cache.hqekv_layers])
         assert (shares.mean(0) <= 1 + 1e-9).all() and (shares <= hqekv.allocation.PROVISIONAL + 1e-9).all()
 
     with torch.no_grad():
@@ -248,11 +248,11 @@ def test_the_budget_holds_at_every_rerank_through_prefill_and_decode(bavg):
         check(torch.ones(2, dtype=torch.bool))  # the prefill re-ranks every row
         token = out.logits[:, -1:].argmax(-1)
         for _ in range(100):
-            before = cache.hqekv_layers[0].since_rerank.clone()
+            before = cache.hqekv_layers[0].counters.since_rerank.clone()
             mask = torch.cat([mask, torch.ones_like(token)], 1)
             out = model(input_ids=token, attention_mask=mask, cache=cache)
             token = out.logits[:, -1:].argmax(-1)
-            reranked = cache.hqekv_layers[0].since_rerank <= before  # reset to 0, then this step's token
+            reranked = cache.hqekv_layers[0].counters.since_rerank <= before  # reset to 0, then this step's token
             check(reranked)
             reranks += int(reranked.sum())
     assert reranks >= 4  # both rows re-ranked (at least) twice

@@ -1,5 +1,5 @@
 """Every supported family, on tiny random models built from its transformers config class
-(tests/families.py): exact FP16 identity, re-ranking at real budgets, byte accounting,
+(tests/helpers.py): exact FP16 identity, re-ranking at real budgets, byte accounting,
 padding, unpatching, sliding-window layers and compiled decode."""
 
 from __future__ import annotations
@@ -12,21 +12,15 @@ import torch
 import hqekv
 from hqekv.cache import HqeKVLayer
 from hqekv.patching import output_cache
-from hqekv.sliding import SlidingWindowLayer, window_attention
-from tests.conftest import stored_bytes
-from tests.families import FAMILIES, SLIDING_WINDOW, tiny_model
-from tests.test_compile import compiled_generate
+from hqekv.cache.sliding import SlidingWindowLayer, sliding_attention
+from . import helpers
+from .helpers import FAMILIES, SLIDING_WINDOW, compiled_generate, greedy, stored_bytes, tiny_model
 
 BUDGETS = (2.0, 3.2)
 
 
 def prompt(n, seed=0, batch=1):
-    return torch.randint(3, 128, (batch, n), generator=torch.Generator().manual_seed(seed))
-
-
-def greedy(model, ids, n, **kw):
-    with torch.no_grad():
-        return model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, **kw)
+    return helpers.prompt(n, seed, batch, low=3)  # above the families' special tokens
 
 
 def patch(model, **kw):
@@ -111,14 +105,14 @@ def test_sliding_layers_hold_exactly_the_window(family):
         out = model(prompt(130), use_cache=True)
     cache = output_cache(out)
     kinds = [type(layer) for layer in cache.layers]
-    expected = hqekv.patching.sliding_windows(model.config)
+    expected = hqekv.patches.sliding_windows(model.config)
     assert kinds == [HqeKVLayer if w is None else SlidingWindowLayer for w in expected]
     layer = next(layer for layer in cache.layers if isinstance(layer, SlidingWindowLayer))
-    assert layer.keys.shape[2] == SLIDING_WINDOW - 1 and bool(layer.valid.all())
+    assert layer.buffer.keys.shape[2] == SLIDING_WINDOW - 1 and bool(layer.buffer.valid.all())
     # the report's dense baseline is the unpatched model's window, not the whole prompt
     report = hqekv.memory_report(cache)
     n_sliding = kinds.count(SlidingWindowLayer)
-    assert report.bytes_by_part["sliding"] == n_sliding * (2 * layer.keys.nbytes + layer.valid.nbytes)
+    assert report.bytes_by_part["sliding"] == n_sliding * (2 * layer.buffer.keys.nbytes + layer.buffer.valid.nbytes)
 
 
 def test_multi_token_input_on_a_filled_window_equals_the_unpatched_model():
@@ -134,17 +128,17 @@ def test_multi_token_input_on_a_filled_window_equals_the_unpatched_model():
     torch.testing.assert_close(second, full, atol=1e-5, rtol=1e-5)
 
 
-def test_window_attention_masks_by_distance_and_validity():
+def test_sliding_attention_masks_by_distance_and_validity():
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, n, 8, generator=gen) for n in (3, 7, 7))
     index = torch.arange(-4, 3)  # 4 cached slots, then the 3 new tokens
     valid = torch.tensor([[False, True, True, True, True, True, True]])
-    out = window_attention(q, k, v, index, valid, index[4:], 3, 0.5)
+    out = sliding_attention(q, k, v, index, valid, index[4:], 3, 0.5)
     for s in range(3):
         keep = (index <= s) & (index > s - 3) & valid[0]
         w = torch.softmax(torch.einsum("hd,hnd->hn", q[0, :, s], k[0][:, keep]) * 0.5, -1)
         torch.testing.assert_close(out[0, s], torch.einsum("hn,hnd->hd", w, v[0][:, keep]), atol=1e-6, rtol=1e-6)
-    nothing = window_attention(q, k, v, index, torch.zeros_like(valid), index[4:], 3, 0.5)
+    nothing = sliding_attention(q, k, v, index, torch.zeros_like(valid), index[4:], 3, 0.5)
     assert torch.equal(nothing, torch.zeros_like(nothing))  # a query that sees no key
 
 

@@ -10,34 +10,9 @@ from hqekv.artifacts import ArtifactError, load_artifact, model_fingerprint, sav
 from hqekv.calibration import ratios_from_free
 from hqekv.cli import main
 
-from .conftest import tiny_llama
+from .helpers import metadata, tiny_llama
 
 RATIOS = ratios_from_free(2.0, 0.25, 0.1)
-
-
-def metadata(model, bavg=2.0, **overrides):
-    meta = {
-        "model_id": "tiny/llama",
-        "model_type": "llama",
-        "config_fingerprint": model_fingerprint(model),
-        "bavg": bavg,
-        "chunk_size": 32,
-        "window": 20,
-        "rerank_interval": 32,
-        "protected_chunks": 2,
-        "eviction": "joint",
-        "value_group": 64,
-        "rotation": "hadamard",
-        "alpha": 2.0,
-        "beta": 4.0,
-        "trials": 200,
-        "best_loss": 0.5,
-        "calibration_data": "test",
-        "calibration_data_sha256": "0" * 64,
-        "library_version": hqekv.__version__,
-    }
-    meta.update(overrides)
-    return meta
 
 
 @pytest.fixture

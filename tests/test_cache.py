@@ -8,18 +8,9 @@ import torch
 import hqekv
 from hqekv.patching import output_cache
 from hqekv.tiers import EVICTED, FP16
-from tests.conftest import stored_bytes, tiny_llama
+from tests.helpers import greedy, prompt, stored_bytes, tiny_llama
 
 MIXED = hqekv.TierRatios(int4=0.3, int2=0.3, int1=0.2, evict=0.2)
-
-
-def greedy(model, ids, n, **kw):
-    with torch.no_grad():
-        return model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, **kw)
-
-
-def prompt(n, seed=0, batch=1):
-    return torch.randint(1, 128, (batch, n), generator=torch.Generator().manual_seed(seed))
 
 
 def test_fp16_ratios_reproduce_unpatched_and_unpatch_is_exact(tiny):
@@ -43,9 +34,9 @@ def _watch_reranks(cache):
         original = layer.rerank
 
         def rerank(rows, layer=layer, original=original, **kwargs):
-            before = (layer.chunk_pos.clone(), layer.k_tier.clone(), layer.v_tier.clone())
+            before = (layer.table.chunk_pos.clone(), layer.table.k_tier.clone(), layer.table.v_tier.clone())
             original(rows, **kwargs)
-            history.append((before, (layer.chunk_pos.clone(), layer.k_tier.clone(), layer.v_tier.clone())))
+            history.append((before, (layer.table.chunk_pos.clone(), layer.table.k_tier.clone(), layer.table.v_tier.clone())))
 
         layer.rerank = rerank
     return history
@@ -82,16 +73,16 @@ def test_decode_reranks_only_move_down_and_lengths(tiny):
             moved_down += (k > old[key][0]) + (v > old[key][1])
     assert moved_down > 0
     for layer in cache.layers:
-        kept = int((layer.chunk_pos >= 0).sum())
-        assert int(layer.n_chunks) * 32 + int(layer.tail_len) == n_tokens
-        assert int(layer.n_evicted) > 0
-        assert kept + int(layer.n_evicted) == int(layer.n_chunks)
+        kept = int((layer.table.chunk_pos >= 0).sum())
+        assert int(layer.counters.n_chunks) * 32 + int(layer.tail.length) == n_tokens
+        assert int(layer.counters.n_evicted) > 0
+        assert kept + int(layer.counters.n_evicted) == int(layer.counters.n_chunks)
         k_phys, _, _, valid = layer.physical_cache()
-        assert int(valid.sum()) == kept * 32 + int(layer.tail_len)  # physical = kept tokens
+        assert int(valid.sum()) == kept * 32 + int(layer.tail.length)  # physical = kept tokens
         assert k_phys.shape[2] == kept * 32 + 32
         # every tier and the protected FP16 chunks are present
-        assert (layer.k_tier == EVICTED).sum() == 0
-        assert int((layer.k_tier == FP16).sum()) >= 1
+        assert (layer.table.k_tier == EVICTED).sum() == 0
+        assert int((layer.table.k_tier == FP16).sum()) >= 1
 
 
 def test_memory_report_counts_every_stored_byte(tiny):
@@ -284,7 +275,7 @@ def test_full_precision_parts_are_16_bit_whatever_the_model_dtype(tiny, fp_dtype
             for _ in range(40):  # decode steps: tail writes, a flush and a re-rank
                 cache = output_cache(tiny(ids[:, :1], cache=cache, use_cache=True))
         for layer in cache.layers:
-            assert {layer.pools["k"].fp.dtype, layer.pools["v"].fp.dtype, layer.tail_k.dtype, layer.tail_v.dtype, layer.win_q.dtype} == {stored}
+            assert {layer.pools["k"].fp.dtype, layer.pools["v"].fp.dtype, layer.tail.k.dtype, layer.tail.v.dtype, layer.query_window.q.dtype} == {stored}
         report = cache.memory_report()
         bits = 8 * stored.itemsize
         per_element = 8 * (report.bytes_by_part["k.fp16"] + report.bytes_by_part["v.fp16"]) / report.elements
@@ -306,7 +297,7 @@ def test_random_importance_keeps_the_tier_counts(tiny):
         finally:
             hqekv.unpatch_model(tiny)
         counts[kind] = [layer.chunk_counts() for layer in cache.layers]
-        tiers[kind] = [layer.k_tier.clone() for layer in cache.layers]
+        tiers[kind] = [layer.table.k_tier.clone() for layer in cache.layers]
     assert counts["attention"] == counts["random"]
     assert any(not torch.equal(a, r) for a, r in zip(tiers["attention"], tiers["random"]))
 
@@ -470,8 +461,8 @@ def _check_slot_tables(layer):
     """Every kept chunk's slot lies in its tier's pool of its component; each slot serves one chunk."""
     from hqekv.tiers import QUANTIZED_TIERS
 
-    valid = layer.chunk_pos >= 0
-    for component, tier, slot in (("k", layer.k_tier, layer.k_slot), ("v", layer.v_tier, layer.v_slot)):
+    valid = layer.table.chunk_pos >= 0
+    for component, tier, slot in (("k", layer.table.k_tier, layer.table.k_slot), ("v", layer.table.v_tier, layer.table.v_slot)):
         fp, pools = layer.pools[component].fp, layer.pools[component].quantized
         sizes = {FP16: fp.shape[0], **{t: pools[t].codes.shape[0] for t in QUANTIZED_TIERS}}
         for t, size in sizes.items():
@@ -517,7 +508,7 @@ def test_full_precision_chunks_hold_their_own_tokens_through_chunked_feeding_and
         keys, values = (torch.cat([kv[i] for kv in fed[layer.layer_idx]], dim=2) for i in (0, 1))
         k_phys, v_phys, positions, _ = layer.physical_cache()
         diverged |= layer.pools["k"].fp.shape[0] != layer.pools["v"].fp.shape[0]
-        for phys, truth, tier in ((k_phys, keys, layer.k_tier), (v_phys, values, layer.v_tier)):
+        for phys, truth, tier in ((k_phys, keys, layer.table.k_tier), (v_phys, values, layer.table.v_tier)):
             fp16 = (tier[0] == FP16).repeat_interleave(32)
             at = positions[0, : fp16.numel()][fp16]
             assert at.numel() > 0

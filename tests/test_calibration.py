@@ -20,14 +20,7 @@ from hqekv.calibration import (
     search_box,
 )
 
-from .conftest import tiny_llama
-
-
-class CharTokenizer:
-    """Characters to ids below the tiny model's vocabulary of 128."""
-
-    def __call__(self, text, add_special_tokens=False):
-        return {"input_ids": [ord(c) % 127 + 1 for c in text]}
+from .helpers import CharTokenizer, tiny_llama, tiny_objective
 
 
 @pytest.mark.parametrize("bavg", [0.5, 1.0, 2.0, 2.8, 3.2, 3.25, 3.9])
@@ -53,15 +46,6 @@ def test_closed_form_satisfies_eq6_and_rejects_infeasible(bavg):
 def test_search_box_rejects_bavg_outside_the_search(bavg):
     with pytest.raises(ValueError):
         search_box(bavg)
-
-
-def tiny_objective(layers: int):
-    """(model, context, continuation, objective) on a tiny random Llama of ``layers`` layers."""
-    model = tiny_llama(seed=3, layers=layers)
-    g = torch.Generator().manual_seed(0)
-    context = torch.randint(1, 128, (1, 300), generator=g)
-    continuation = torch.randint(1, 128, (1, 40), generator=g)
-    return model, context, continuation, CompressionObjective(model, context, continuation)
 
 
 @pytest.fixture(scope="module")
@@ -97,8 +81,8 @@ def test_compressed_cache_holds_the_assigned_tiers(objective_setup):
     for layer, (k_tier, _) in zip(cache.layers, objective.tiers(ratios)):
         n_evicted = int((k_tier == hqekv.tiers.EVICTED).sum())
         assert n_evicted > 0
-        assert int(layer.n_evicted) == n_evicted
-        assert layer.chunk_pos.shape[1] == objective.n_chunks - n_evicted
+        assert int(layer.counters.n_evicted) == n_evicted
+        assert layer.table.chunk_pos.shape[1] == objective.n_chunks - n_evicted
         assert layer.get_seq_length() == 300  # logical length: evicted tokens still count
 
 

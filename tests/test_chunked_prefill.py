@@ -11,7 +11,7 @@ from transformers import CompileConfig
 import hqekv
 from hqekv.eval.tasks import prefill
 
-from .conftest import tiny_llama
+from .helpers import prompt, tiny_llama
 
 MIXED = hqekv.TierRatios(int4=0.3, int2=0.3, int1=0.2, evict=0.2)
 
@@ -21,10 +21,6 @@ def generate(model, ids, mask=None, n=40, **kw):
         return model.generate(
             ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False, **kw
         )[:, ids.shape[1] :]
-
-
-def prompt(n: int, seed: int = 0, batch: int = 1) -> torch.Tensor:
-    return torch.randint(1, 128, (batch, n), generator=torch.Generator().manual_seed(seed))
 
 
 @pytest.mark.parametrize("setting", [dict(ratios=MIXED), dict(bavg=2.0, ratios="auto")], ids=["ratios", "auto"])
@@ -73,8 +69,8 @@ def test_a_compile_config_with_prefill_chunks_runs_them_eagerly_and_compiles_the
                              prefill_chunk_size=64, compile_config=config, return_dict_in_generate=True)  # fmt: skip
     assert torch.equal(out.sequences[:, ids.shape[1] :], eager)
     assert counter.frame_count == 1
-    assert all(layer.static for layer in out.cache.hqekv_layers)  # a compiled request runs over static storage
-    assert all(int(layer.n_evicted.sum()) > 0 for layer in out.cache.hqekv_layers)
+    assert all(layer.capacity.keeps_addresses() for layer in out.cache.hqekv_layers)  # a compiled request runs over static storage
+    assert all(int(layer.counters.n_evicted.sum()) > 0 for layer in out.cache.hqekv_layers)
 
 
 def test_beam_search_over_prefill_chunks():
@@ -92,8 +88,8 @@ def test_beam_search_over_prefill_chunks():
         hqekv.patch_model(model, ratios=MIXED, value_group=16)
         chunked = model.generate(ids, prefill_chunk_size=64, **beams).cache
         once = model.generate(ids, **beams).cache
-    evicted = [layer.n_evicted.tolist() for layer in chunked.hqekv_layers]
-    assert evicted == [layer.n_evicted.tolist() for layer in once.hqekv_layers]
+    evicted = [layer.counters.n_evicted.tolist() for layer in chunked.hqekv_layers]
+    assert evicted == [layer.counters.n_evicted.tolist() for layer in once.hqekv_layers]
     assert all(n > 0 for row in evicted for n in row) and len(evicted[0]) == 3
     assert not any(layer.deferring for layer in chunked.hqekv_layers)
 
@@ -169,11 +165,11 @@ def test_a_prompt_in_pieces_evicts_only_once_it_is_whole(setting):
     with torch.no_grad():
         for start in range(0, ids.shape[1], 256):
             model(ids[:, start : start + 256], cache=cache)
-    assert all(int(layer.n_evicted.sum()) == 0 for layer in cache.hqekv_layers)
-    assert all(int((layer.k_tier == 0).sum()) < int(layer.n_chunks.sum()) for layer in cache.hqekv_layers)
+    assert all(int(layer.counters.n_evicted.sum()) == 0 for layer in cache.hqekv_layers)
+    assert all(int((layer.table.k_tier == 0).sum()) < int(layer.counters.n_chunks.sum()) for layer in cache.hqekv_layers)
     cache.settle()
-    evicted = sum(int(layer.n_evicted.sum()) for layer in cache.hqekv_layers)
-    assert evicted == sum(int(layer.n_evicted.sum()) for layer in once.hqekv_layers) > 0
+    evicted = sum(int(layer.counters.n_evicted.sum()) for layer in cache.hqekv_layers)
+    assert evicted == sum(int(layer.counters.n_evicted.sum()) for layer in once.hqekv_layers) > 0
     assert cache.memory_report().total_bytes <= 1.01 * once.memory_report().total_bytes
 
 
@@ -191,7 +187,7 @@ def test_generate_with_prefill_chunks_settles_the_cache_before_decoding(monkeypa
         out = model.generate(prompt(600), max_new_tokens=4, do_sample=False, prefill_chunk_size=128,
                              return_dict_in_generate=True)  # fmt: skip
     assert calls[0] and not any(calls[1:])  # the end of the prompt settled it, before the decode steps
-    assert sum(int(layer.n_evicted.sum()) for layer in out.cache.hqekv_layers) > 0
+    assert sum(int(layer.counters.n_evicted.sum()) for layer in out.cache.hqekv_layers) > 0
     assert not any(layer.deferring for layer in out.cache.hqekv_layers)
 
 
@@ -206,10 +202,10 @@ def test_a_decode_step_settles_a_prompt_whose_loop_forgot_to():
     with torch.no_grad():
         for start in range(0, 1024, 256):
             model(ids[:, start : start + 256], cache=cache)
-        assert sum(int(layer.n_evicted.sum()) for layer in cache.hqekv_layers) == 0
+        assert sum(int(layer.counters.n_evicted.sum()) for layer in cache.hqekv_layers) == 0
         model(ids[:, -1:], cache=cache)
     assert not any(layer.deferring for layer in cache.hqekv_layers)
-    assert sum(int(layer.n_evicted.sum()) for layer in cache.hqekv_layers) > 0
+    assert sum(int(layer.counters.n_evicted.sum()) for layer in cache.hqekv_layers) > 0
 
 
 @pytest.mark.parametrize("chunk", [128, 512])

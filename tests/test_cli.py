@@ -2,7 +2,7 @@
 
 import pytest
 
-from hqekv import cli, models
+from hqekv import cli, packaged_models
 
 BAD = [
     (["eval", "--model", "smollm2", "--tasks", "foo", "--out", "x"], "unknown tasks"),
@@ -29,7 +29,7 @@ def test_bad_arguments_fail_before_loading(argv, message, monkeypatch, capsys):
     def no_load(*a, **k):
         raise AssertionError("the model was loaded before the arguments were checked")
 
-    monkeypatch.setattr(models, "load_model", no_load)
+    monkeypatch.setattr(packaged_models, "load_model", no_load)
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1 and "Traceback" not in err
@@ -71,7 +71,7 @@ def test_split_refuses_a_split_or_foreign_artifact_before_the_model_loads(tmp_pa
     def no_load(*a, **k):
         raise AssertionError("the model was loaded before the artifact was checked")
 
-    monkeypatch.setattr(models, "load_model", no_load)
+    monkeypatch.setattr(packaged_models, "load_model", no_load)
     gemma = next(p for p in shipped_artifacts() if p.name.startswith("gemma-3-270m-bavg2."))
     assert cli.main(["split", "--model", "smollm2", str(gemma)]) == 2  # another model's artifact
     err = capsys.readouterr().err

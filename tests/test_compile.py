@@ -6,51 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
-from transformers import CompileConfig, LogitsProcessor, LogitsProcessorList
+from transformers import CompileConfig, LogitsProcessorList
 
 import hqekv
 from hqekv.config import TierRatios
 
-from .conftest import tiny_llama
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-MIXED = TierRatios(int4=0.3, int2=0.4, int1=0.2, evict=0.1)  # every tier, eviction too
-
-
-class CompileCounts(LogitsProcessor):
-    """Records, at each generated token, how many frames the counter has compiled so far."""
-
-    def __init__(self, counter):
-        self.counter = counter
-        self.per_step: list[int] = []
-
-    def __call__(self, input_ids, scores):
-        self.per_step.append(self.counter.frame_count)
-        return scores
-
-
-def compiled_generate(model, inputs: dict, new_tokens: int, backend: str):
-    """Greedy generate with ``model.forward`` compiled; -> (tokens, frames compiled at each step)."""
-    torch._dynamo.reset()
-    counter = CompileCounterWithBackend(backend)
-    counts = CompileCounts(counter)
-    eager_forward = model.forward
-    model.forward = torch.compile(eager_forward, backend=counter)
-    try:
-        with torch.no_grad():
-            out = model.generate(
-                **inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                logits_processor=LogitsProcessorList([counts]),
-            )  # fmt: skip
-    finally:
-        model.forward = eager_forward
-    return out, counts.per_step
-
-
-def greedy(model, inputs: dict, new_tokens: int):
-    with torch.no_grad():
-        return model.generate(**inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
-
+from .helpers import DEVICE, Calls, CompileCounts, compiled_generate, decode_loop, greedy, tiny_llama
+from .helpers import EVERY_TIER as MIXED
 
 PER_LAYER = (TierRatios(int4=0.6, int2=0.4), TierRatios(int2=0.2, int1=0.4, evict=0.4))  # 3.2 and 0.8 bits
 
@@ -70,7 +32,7 @@ def test_compiled_generate_equals_eager_and_compiles_decode_once(setting):
     mask[1, :7] = 0  # left padding in row 1
     inputs = {"input_ids": ids.to(DEVICE), "attention_mask": mask.to(DEVICE)}
     new_tokens = 100  # three chunk flushes, re-ranks with 1-bit chunks and evictions
-    eager = greedy(model, inputs, new_tokens)
+    eager = greedy(model, None, new_tokens, **inputs)
     compiled, per_step = compiled_generate(model, inputs, new_tokens, "inductor")
     assert torch.equal(compiled, eager)
     # Prefill and the first decode step compile their graphs; the 98 steps after that,
@@ -91,7 +53,7 @@ def test_generate_with_a_compile_config_decodes_with_the_compiled_step():
     mask = torch.ones_like(ids)
     mask[0, :5] = 0  # left padding in row 0
     inputs = {"input_ids": ids.to(DEVICE), "attention_mask": mask.to(DEVICE)}
-    eager = greedy(model, inputs, 70)  # two chunk flushes and re-ranks
+    eager = greedy(model, None, 70, **inputs)  # two chunk flushes and re-ranks
     torch._dynamo.reset()
     counter = CompileCounterWithBackend("eager")
     # CompileConfig deep-copies its fields: a function (copied as itself) reaches the counter
@@ -173,7 +135,7 @@ def test_decode_attention_compiles_fullgraph_once_over_flushes_and_reranks():
         hqekv.patch_model(m, ratios=heavy)
     (eager_cache, position), (compiled_cache, _) = decode_state(eager_model, 400), decode_state(compiled_model, 400)
     layer = compiled_cache.layers[0]
-    evicted_after_prefill = int(layer.n_evicted.sum())
+    evicted_after_prefill = int(layer.counters.n_evicted.sum())
     torch._dynamo.reset()
     counter = CompileCounterWithBackend("eager")
     attention = compiled_model.model.layers[0].self_attn
@@ -190,7 +152,7 @@ def test_decode_attention_compiles_fullgraph_once_over_flushes_and_reranks():
         for cache in (eager_cache, compiled_cache):
             cache.layers[0].advance(1)
     assert counter.frame_count == 1  # one graph for all 80 steps
-    assert int(layer.n_evicted.sum()) > evicted_after_prefill  # decode re-ranked and evicted, in place
+    assert int(layer.counters.n_evicted.sum()) > evicted_after_prefill  # decode re-ranked and evicted, in place
 
 
 def test_compiled_smollm2_generate_equals_eager(smollm2):
@@ -199,38 +161,12 @@ def test_compiled_smollm2_generate_equals_eager(smollm2):
     try:
         text = " ".join(["The quick brown fox jumps over the lazy dog near the river bank."] * 30)
         inputs = tokenizer(text + " Question: what does the fox jump over? Answer:", return_tensors="pt")
-        eager = greedy(model, inputs, 40)
+        eager = greedy(model, None, 40, **inputs)
         compiled, per_step = compiled_generate(model, inputs, 40, "inductor")
         assert torch.equal(compiled, eager), tokenizer.batch_decode(torch.stack([eager[0], compiled[0]]))
         assert per_step[-1] == per_step[1], per_step
     finally:
         hqekv.unpatch_model(model)
-
-
-class Calls:
-    """Counts calls of one HqeKVLayer method on one layer object (eager code only)."""
-
-    def __init__(self, monkeypatch, layer, name: str):
-        self.count = 0
-        method = getattr(layer, name)
-
-        def counted(*args, **kwargs):
-            self.count += 1
-            return method(*args, **kwargs)
-
-        monkeypatch.setattr(layer, name, counted)
-
-
-def decode_loop(model, cache, tokens: torch.Tensor, step=None) -> list[torch.Tensor]:
-    """Feed ``tokens`` (B, N) one column at a time, the eager step before each; -> logits per step."""
-    step = model if step is None else step
-    logits = []
-    for i in range(tokens.shape[1]):
-        cache.maintain()  # the eager step between decode steps (generate runs it itself)
-        with torch.no_grad():
-            out = step(input_ids=tokens[:, i : i + 1], attention_mask=torch.ones_like(tokens[:, :1]), cache=cache)
-        logits.append(out.logits[:, -1])
-    return logits
 
 
 def test_fullgraph_compiled_model_decodes_100_steps_in_one_graph(monkeypatch):

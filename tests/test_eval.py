@@ -65,7 +65,7 @@ def test_squad_scoring():
 
 def test_samples_are_seeded_and_exclude_calibration_text(smollm2):
     _, tok = smollm2
-    from hqekv.data import calibration_text, squad_articles
+    from hqekv.texts import calibration_text, squad_articles
 
     calibration = set(calibration_text(tok, 16384, 128).articles)
     for name, task in TASKS.items():
@@ -247,7 +247,7 @@ def test_a_method_the_model_cannot_take_fails_before_any_sample_runs():
     run stops before fp16's samples, naming the method, instead of after them."""
     from hqekv.eval.runner import check_methods
 
-    from .families import tiny_model
+    from .helpers import tiny_model
 
     model = tiny_model("gemma3_text")
     check_methods(model, [parse_method(m) for m in ("fp16", "hqekv:2", "evict:2")])
@@ -281,7 +281,7 @@ def test_hqekv_eval_keeps_each_finished_record_on_disk_when_a_run_dies(tmp_path,
 
     from hqekv.eval.tasks import Sample
 
-    from .conftest import tiny_llama
+    from .helpers import tiny_llama
 
     class Dies:  # the second sample's run fails, as a crash an hour in would
         name = "needle"
@@ -296,7 +296,7 @@ def test_hqekv_eval_keeps_each_finished_record_on_disk_when_a_run_dies(tmp_path,
             return {"prediction": "x", "score": 1.0, "prefill_s": 0.1}, out.past_key_values
 
     monkeypatch.setitem(runner.TASKS, "needle", Dies())
-    monkeypatch.setattr("hqekv.models.load_model", lambda *a, **k: (tiny_llama(), None, "tiny"))
+    monkeypatch.setattr("hqekv.packaged_models.load_model", lambda *a, **k: (tiny_llama(), None, "tiny"))
     out = tmp_path / "run"
     args = cli.build_parser().parse_args(
         ["eval", "--model", "smollm2", "--methods", "fp16", "--tasks", "needle", "--samples", "2", "--lengths", "64",

@@ -3,7 +3,7 @@ import torch
 from hqekv.importance import (
     chunk_scores,
     token_metrics,
-    window_attention,
+    window_query_attention,
     window_lse,
     window_probabilities,
     window_tiles,
@@ -44,7 +44,7 @@ def test_window_attention_matches_naive_loops_gqa_causal_padding():
     kvalid[0, 2] = False
     qvalid = torch.ones(b, m, dtype=torch.bool)
     qvalid[1, 0] = False
-    got = window_attention(q, qpos, qvalid, k, kpos, kvalid, 0.3)
+    got = window_query_attention(q, qpos, qvalid, k, kpos, kvalid, 0.3)
     assert torch.allclose(got, _naive(q, qpos, qvalid, k, kpos, kvalid, 0.3), atol=1e-6)
     assert got[0, :, 2].abs().max() == 0
 

@@ -11,9 +11,7 @@ from hqekv.artifacts import ArtifactError, load_artifact, save_artifact
 from hqekv.tiers import EVICTED, FP16
 from hqekv.calibration import calibrate, layer_budgets, layer_sensitivity, mean_kl, ratios_at, split_budget
 
-from .conftest import tiny_llama
-from .test_artifacts import metadata
-from .test_calibration import CharTokenizer, tiny_objective
+from .helpers import CharTokenizer, metadata, tiny_llama, tiny_objective
 
 BASE = TierRatios(int4=0.5, int2=0.3, int1=0.1, evict=0.1)  # 2.7 bits
 
@@ -80,9 +78,9 @@ def test_patched_model_compresses_each_layer_at_its_own_ratios():
     cache = out.past_key_values
     first, second = cache.layers
     assert first.config.ratios == layers[0] and second.config.ratios == layers[1]
-    tiers = lambda layer: set(layer.k_tier[layer.chunk_pos >= 0].tolist())  # noqa: E731
-    assert tiers(first) == {FP16, 1} and int(first.n_evicted.sum()) == 0  # 4-bit and the protected FP16 chunks
-    assert int(second.n_evicted.sum()) > 0 and tiers(second) == {FP16, 2}
+    tiers = lambda layer: set(layer.table.k_tier[layer.table.chunk_pos >= 0].tolist())  # noqa: E731
+    assert tiers(first) == {FP16, 1} and int(first.counters.n_evicted.sum()) == 0  # 4-bit and the protected FP16 chunks
+    assert int(second.counters.n_evicted.sum()) > 0 and tiers(second) == {FP16, 2}
     report = hqekv.memory_report(cache)
     assert report.requested_bavg == pytest.approx(2.7)
     hqekv.unpatch_model(model)
@@ -135,7 +133,7 @@ def test_objective_scores_per_layer_ratios_as_a_patched_prefill_would(objective)
     assert bool((tiers[1][0] == FP16).all())
     assert int((tiers[2][0] == EVICTED).sum()) > 0
     # the same per-layer cache as a real patched prefill, to the rounding
-    from hqekv.calibration import _patched
+    from hqekv.calibration.objective import _patched
     from hqekv.patching import cache_for
 
     mean = sum(r.bavg for r in layers) / 3

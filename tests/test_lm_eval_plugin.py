@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from hqekv.data import passkey_prompt
+from hqekv.texts import passkey_prompt
 
 pytestmark = pytest.mark.slow
 

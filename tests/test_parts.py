@@ -1,15 +1,20 @@
-"""The cache layer's parts on their own: tier pools (hqekv.pools), re-ranking's pure steps
-(hqekv.rerank), attention over a view (hqekv.attention), the FP16 tail (hqekv.tail) and the
-query window (hqekv.window)."""
+"""The cache layer's parts on their own (hqekv.cache): tier pools, the chunk table,
+re-ranking's pure steps, attention over a view, the FP16 tail, the query window and the
+storage capacity strategies."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from hqekv import attention, rerank, tail, window
+from hqekv.cache import rerank
+from hqekv.cache.pools import KEY, VALUE, ComponentPools, decode_chunks, encode_chunks
+from hqekv.cache.query_window import QueryWindow
+from hqekv.cache.rows import ExactCapacity, StaticCapacity
+from hqekv.cache.table import ChunkTable
+from hqekv.cache.tail import Tail
+from hqekv.cache.view import CacheView
 from hqekv.config import HqeKVConfig, TierRatios
-from hqekv.pools import KEY, VALUE, ComponentPools, decode_chunks, encode_chunks
 from hqekv.tiers import EVICTED, FP16, INT1, INT2, INT4, QUANTIZED_TIERS
 
 H, G, D, GROUP = 2, 8, 16, 16
@@ -29,11 +34,14 @@ def every_tier(chunks: dict[str, torch.Tensor]) -> dict[str, dict]:
     }
 
 
+def no_tail() -> Tail:
+    empty = torch.zeros(1, H, G, D)
+    return Tail(empty, empty.clone(), torch.zeros(1, dtype=torch.long))
+
+
 def dense_view(pools, table, n_chunks):
     """The placed chunks dequantized, in table order, without a tail."""
-    empty = torch.zeros(1, H, G, D)
-    return attention.dequantized(pools, table, empty, empty, torch.zeros(1, dtype=torch.long), n_chunks, G, GROUP,
-                                 torch.float32)  # fmt: skip
+    return CacheView(pools, table, no_tail(), GROUP).dequantized(n_chunks, torch.float32)
 
 
 def test_empty_pools_list_in_op_order_and_count_their_bytes():
@@ -42,7 +50,7 @@ def test_empty_pools_list_in_op_order_and_count_their_bytes():
     assert len(tensors) == 1 + 3 * len(QUANTIZED_TIERS) and all(t.shape[0] == 0 for t in tensors)
     assert tensors[0].shape == (0, H, G, D) and tensors[0].dtype == torch.float16
     assert pools.nbytes() == {"fp16": 0, "int4": 0, "int2": 0, "int1": 0}
-    pools.store(FP16, 0, torch.zeros(2, H, G, D), static=False)
+    pools.store(FP16, 0, torch.zeros(2, H, G, D), ExactCapacity())
     assert pools.nbytes()["fp16"] == 2 * H * G * D * 2 and pools.tensors()[0] is pools.fp
     assert pools.reserve_nbytes() == 0
 
@@ -54,13 +62,14 @@ def test_pools_store_in_place_with_room_and_grow_without(static):
     Bytes in use and the reserve add up to every byte the pools hold."""
     chunks = prefill_chunks(9, seed=3)[VALUE]
     pools = ComponentPools.empty(torch.zeros(1, H, 3, D), VALUE, G, GROUP, torch.float16, torch.float16)
+    capacity = StaticCapacity(100) if static else ExactCapacity()
     pools.resize(INT2, 8)
     address = pools.quantized[INT2].codes.data_ptr()
     encoded = encode_chunks(chunks, INT2, VALUE, GROUP, torch.float16)
-    pools.store(INT2, 0, encoded.select(slice(0, 8)), static)
+    pools.store(INT2, 0, encoded.select(slice(0, 8)), capacity)
     assert pools.used[INT2] == 8 and pools.capacity(INT2) == 8
     assert pools.quantized[INT2].codes.data_ptr() == address  # room: written in place
-    pools.store(INT2, 8, encoded.select(slice(8, 9)), static)
+    pools.store(INT2, 8, encoded.select(slice(8, 9)), capacity)
     assert pools.used[INT2] == 9 and pools.capacity(INT2) == (10 if static else 9)  # 8 · 1.25 = 10
     for x, y in zip(pools.in_use(INT2).tensors(), encoded.tensors()):
         assert torch.equal(x, y)  # the slots in use survived the growth
@@ -71,7 +80,7 @@ def test_pools_store_in_place_with_room_and_grow_without(static):
     with pytest.raises(ValueError, match="in use"):
         pools.resize(INT2, 6)
     with pytest.raises(ValueError, match="no gaps"):
-        pools.store(INT2, 10, encoded.select(slice(0, 1)), static)
+        pools.store(INT2, 10, encoded.select(slice(0, 1)), capacity)
 
 
 def test_place_puts_each_chunk_at_its_tier_and_drops_evicted_ones():
@@ -107,7 +116,7 @@ def test_rebuild_copies_kept_tiers_requantizes_moved_chunks_and_compacts():
     dense = {c: x[:, :, : 5 * G].reshape(1, H, 5, G, D).transpose(1, 2) for c, x in ((KEY, keys), (VALUE, values))}
     new_k = torch.tensor([[FP16, INT4, EVICTED, INT1, FP16]])
     new_v = torch.tensor([[FP16, INT2, EVICTED, INT1, INT4]])
-    read = attention.read_chunks(pools, table, GROUP, torch.float32)
+    read = CacheView(pools, table, no_tail(), GROUP).chunk_reader(torch.float32)
     table2, pools2 = rerank.rebuild(table, pools, new_k, new_v, read, GROUP, torch.float16)
     assert table2.chunk_pos.tolist() == [[0, 1, 3, 4]]
     assert table2.k_tier.tolist() == [[FP16, INT4, INT1, FP16]] and table2.v_tier.tolist() == [[FP16, INT2, INT1, INT4]]
@@ -122,7 +131,8 @@ def test_rebuild_copies_kept_tiers_requantizes_moved_chunks_and_compacts():
                 assert torch.equal(a, b), (comp, t)
     with pytest.raises(AssertionError, match="moved up"):
         rerank.rebuild(table2, pools2, torch.zeros_like(table2.k_tier), table2.v_tier,
-                       attention.read_chunks(pools2, table2, GROUP, torch.float32), GROUP, torch.float16)  # fmt: skip
+                       CacheView(pools2, table2, no_tail(), GROUP).chunk_reader(torch.float32), GROUP,
+                       torch.float16)  # fmt: skip
 
 
 def test_the_view_read_by_tiles_or_by_entries_is_the_dense_view_bit_for_bit():
@@ -132,21 +142,19 @@ def test_the_view_read_by_tiles_or_by_entries_is_the_dense_view_bit_for_bit():
                                    torch.float16)  # fmt: skip
     gen = torch.Generator().manual_seed(4)
     tail_k, tail_v = torch.randn(2, 1, H, G, D, generator=gen)
-    tail_len, n_chunks = torch.tensor([5]), torch.tensor([9])
-    keys, values, positions, valid = attention.dequantized(pools, table, tail_k, tail_v, tail_len, n_chunks, G, GROUP,
-                                                           torch.float32)  # fmt: skip
+    n_chunks = torch.tensor([9])
+    view = CacheView(pools, table, Tail(tail_k, tail_v, torch.tensor([5])), GROUP)
+    keys, values, positions, valid = view.dequantized(n_chunks, torch.float32)
     starts, parts = [], []
-    for start, *part in attention.dequantized_tiles(pools, table, tail_k, tail_v, tail_len, n_chunks, G, GROUP,
-                                                    torch.float32, tile=3):  # fmt: skip
+    for start, *part in view.dequantized_tiles(n_chunks, torch.float32, tile=3):
         starts.append(start)
         parts.append(part)
     assert starts == [0, 3, 6, 7]  # tiles of 3 table columns, then the tail
     for whole, tiled in zip((keys, values, positions, valid), zip(*parts)):
         assert torch.equal(torch.cat(tiled, dim=-1 if whole.dim() == 2 else 2), whole)
-    keys_only = [k for _, k, v, *_ in attention.dequantized_tiles(
-        pools, table, tail_k, tail_v, tail_len, n_chunks, G, GROUP, torch.float32, values=False, tile=3)]  # fmt: skip
+    keys_only = [k for _, k, v, *_ in view.dequantized_tiles(n_chunks, torch.float32, values=False, tile=3)]
     assert torch.equal(torch.cat(keys_only, 2), keys)
-    read = attention.read_chunks(pools, table, GROUP, torch.float32)
+    read = view.chunk_reader(torch.float32)
     rows, cols = torch.tensor([0, 0, 0]), torch.tensor([5, 1, 3])
     for component, dense in ((KEY, keys), (VALUE, values)):
         expected = torch.stack([dense[0, :, c * G : (c + 1) * G] for c in cols.tolist()])
@@ -155,7 +163,7 @@ def test_the_view_read_by_tiles_or_by_entries_is_the_dense_view_bit_for_bit():
 
 def test_propose_protects_the_top_chunks_and_gives_more_bits_to_higher_scores():
     n = 40
-    table = rerank.ChunkTable(torch.arange(n)[None], *(torch.zeros(1, n, dtype=torch.long) for _ in range(4)))
+    table = ChunkTable(torch.arange(n)[None], *(torch.zeros(1, n, dtype=torch.long) for _ in range(4)))
     scores = torch.rand(1, n, generator=torch.Generator().manual_seed(2))
     ratios = TierRatios(int4=0.5, int2=0.25, evict=0.25)
     config = HqeKVConfig(ratios=ratios, bavg=ratios.bavg, protected_chunks=2)
@@ -174,11 +182,9 @@ def test_attention_over_a_placed_view_equals_attention_over_its_dequantized_toke
     gen = torch.Generator().manual_seed(4)
     q, k, v = (torch.randn(1, H, 1, D, generator=gen) for _ in range(3))
     tail_k, tail_v = torch.randn(1, H, G, D, generator=gen), torch.randn(1, H, G, D, generator=gen)
-    tail_len = torch.tensor([3])
-    out = attention.attend(q, k, v, torch.ones(1, 1, dtype=torch.bool), pools, table, tail_k, tail_v, tail_len, D**-0.5,
-                           GROUP)  # fmt: skip
-    keys, values, _, valid = attention.dequantized(pools, table, tail_k, tail_v, tail_len, torch.tensor([4]), G, GROUP,
-                                                   torch.float32)  # fmt: skip
+    view = CacheView(pools, table, Tail(tail_k, tail_v, torch.tensor([3])), GROUP)
+    out = view.attend(q, k, v, torch.ones(1, 1, dtype=torch.bool), D**-0.5)
+    keys, values, _, valid = view.dequantized(torch.tensor([4]), torch.float32)
     keys, values = keys[:, :, valid[0]], values[:, :, valid[0]]
     assert keys.shape[2] == 4 * G + 3
     keys, values = torch.cat([keys, k], 2), torch.cat([values, v], 2)
@@ -189,11 +195,12 @@ def test_attention_over_a_placed_view_equals_attention_over_its_dequantized_toke
 def test_tail_append_compacts_past_padding_and_hands_over_full_chunks():
     gen = torch.Generator().manual_seed(5)
     tail_k, tail_v = torch.randn(2, H, G, D, generator=gen), torch.randn(2, H, G, D, generator=gen)
-    tail_len = torch.tensor([5, 0])
+    tail = Tail(tail_k, tail_v, torch.tensor([5, 0]))
     key, value = torch.randn(2, H, 12, D, generator=gen), torch.randn(2, H, 12, D, generator=gen)
     valid = torch.ones(2, 12, dtype=torch.bool)
     valid[1, :9] = False  # row 1: 9 padding tokens, then 3 real ones
-    chunks_k, chunks_v, ok, tk, tv, tl = tail.append(tail_k, tail_v, tail_len, key, value, valid)
+    chunks_k, chunks_v, ok = tail.append(key, value, valid)
+    tk, tv, tl = tail.k, tail.v, tail.length
     assert ok.tolist() == [[True, True], [False, False]] and tl.tolist() == [17 - 2 * G, 3]
     row0 = torch.cat([tail_k[0, :, :5], key[0]], dim=1)  # the 5 held tokens, then the 12 new ones
     assert torch.equal(chunks_k[0, 0], row0[:, :G]) and torch.equal(chunks_k[0, 1], row0[:, G : 2 * G])
@@ -206,7 +213,9 @@ def test_tail_write_one_fills_in_place_and_refuses_a_full_tail():
     tail_k, tail_v = torch.zeros(3, H, G, D), torch.zeros(3, H, G, D)
     tail_len = torch.tensor([2, G, 0])
     key, value = torch.ones(3, H, 1, D), 2 * torch.ones(3, H, 1, D)
-    written, overrun = tail.write_one(tail_k, tail_v, tail_len, key, value, torch.tensor([True, True, False]))
+    tail = Tail(tail_k, tail_v, tail_len)
+    written, overrun = tail.write_one(key, value, torch.tensor([True, True, False]))
+    assert tail.k is tail_k and tail.length is tail_len  # in place: the addresses stay
     assert written.tolist() == [True, False, False] and overrun.tolist() == [False, True, False]
     assert tail_len.tolist() == [3, G, 0]
     assert tail_k[0, :, 2].eq(1).all() and tail_v[0, :, 2].eq(2).all()
@@ -215,14 +224,42 @@ def test_tail_write_one_fills_in_place_and_refuses_a_full_tail():
 
 def test_window_keeps_the_last_real_queries_with_their_positions():
     m = 4
-    win_q, win_pos = torch.zeros(1, 1, m, 2), torch.zeros(1, m, dtype=torch.long)
-    win_valid = torch.zeros(1, m, dtype=torch.bool)
+    window = QueryWindow.empty(torch.zeros(1, 1, 0, 2), 1, m, torch.float32)
     query = torch.arange(6.0).reshape(1, 1, 6, 1).expand(1, 1, 6, 2)
     valid = torch.tensor([[True, False, True, True, True, True]])
     positions = valid.long().cumsum(1) - 1
-    win_q, win_pos, win_valid = window.append(win_q, win_pos, win_valid, query, positions, valid)
-    assert win_q[0, 0, :, 0].tolist() == [2, 3, 4, 5] and win_pos.tolist() == [[1, 2, 3, 4]] and win_valid.all()
-    window.push_one(win_q, win_pos, win_valid, torch.full((1, 1, 1, 2), 9.0), torch.tensor([5]), torch.tensor([True]))
-    assert win_q[0, 0, :, 0].tolist() == [3, 4, 5, 9] and win_pos.tolist() == [[2, 3, 4, 5]]
-    window.push_one(win_q, win_pos, win_valid, torch.full((1, 1, 1, 2), 7.0), torch.tensor([6]), torch.tensor([False]))
-    assert win_q[0, 0, :, 0].tolist() == [3, 4, 5, 9]  # a padding token leaves the window as it was
+    window.append(query, positions, valid)
+    assert window.q[0, 0, :, 0].tolist() == [2, 3, 4, 5] and window.pos.tolist() == [[1, 2, 3, 4]]
+    assert window.valid.all()
+    window.push_one(torch.full((1, 1, 1, 2), 9.0), torch.tensor([5]), torch.tensor([True]))
+    assert window.q[0, 0, :, 0].tolist() == [3, 4, 5, 9] and window.pos.tolist() == [[2, 3, 4, 5]]
+    window.push_one(torch.full((1, 1, 1, 2), 7.0), torch.tensor([6]), torch.tensor([False]))
+    assert window.q[0, 0, :, 0].tolist() == [3, 4, 5, 9]  # a padding token leaves the window as it was
+
+
+def test_a_chunk_table_grows_as_its_capacity_says_and_reorders_rows_in_place():
+    table = ChunkTable.empty(2, torch.device("cpu"))
+    ok = torch.tensor([[True, True], [True, False]])
+    table.append_fp16(ok, torch.tensor([0, 3]), torch.tensor([0, 1, 2]), torch.tensor([5, 6, 7]), ExactCapacity())
+    assert table.width == 2  # exactly what the rows need
+    assert table.chunk_pos.tolist() == [[0, 1], [3, -1]] and table.v_slot.tolist() == [[5, 6], [7, -1]]
+    assert table.k_tier.tolist() == [[FP16, FP16], [FP16, -1]]
+    table.widen(3, StaticCapacity(1000))
+    assert table.width == 3  # grown by a quarter at least: max(3, ceil(2 · 1.25))
+    assert table.live().width == 2 and table.live_nbytes() == 5 * 2 * 2 * 8
+    address = table.chunk_pos.data_ptr()
+    table.reorder(torch.tensor([1, 0]))
+    assert table.chunk_pos.data_ptr() == address and table.chunk_pos.tolist() == [[3, -1, -1], [0, 1, -1]]
+    table.to_column_major()
+    assert table.chunk_pos.stride() == (1, 2) and table.chunk_pos.tolist() == [[3, -1, -1], [0, 1, -1]]
+    other = ChunkTable(*(torch.full((2, 1), 9) for _ in range(5)))
+    table.assign(other, StaticCapacity(1000))
+    assert table.width == 3 and table.v_tier.tolist() == [[9, -1, -1], [9, -1, -1]]
+
+
+def test_capacities_size_storage_exactly_or_ahead():
+    assert ExactCapacity().room(8, 9) == 9 and not ExactCapacity().keeps_addresses()
+    assert StaticCapacity(64).room(8, 9) == 10 and StaticCapacity(64).room(8, 30) == 30
+    assert StaticCapacity(64).keeps_addresses() and StaticCapacity(64).max_length == 64
+    with pytest.raises(ValueError, match="max_length"):
+        StaticCapacity(0)

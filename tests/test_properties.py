@@ -10,7 +10,7 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from hqekv.pools import KEY, VALUE, decode_chunks, encode_chunks  # noqa: E402
+from hqekv.cache.pools import KEY, VALUE, decode_chunks, encode_chunks  # noqa: E402
 from hqekv.packing import pack_codes, unpack_codes  # noqa: E402
 from hqekv.tiers import INT1, INT2, INT4, TIERS  # noqa: E402
 

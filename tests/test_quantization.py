@@ -95,7 +95,7 @@ def test_layouts():
 
 @pytest.mark.parametrize("component", ["k", "v"])
 def test_chunk_pools_round_trip_per_tier(component):
-    from hqekv.pools import decode_chunks, encode_chunks
+    from hqekv.cache.pools import decode_chunks, encode_chunks
     from hqekv.tiers import INT1, INT2, INT4
 
     chunks = torch.randn(3, 2, 32, 64, generator=torch.Generator().manual_seed(2))

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 import hqekv
-from hqekv.data import passkey_prompt
-from hqekv.sliding import SlidingWindowLayer
-from tests.conftest import stored_bytes
+from hqekv.texts import passkey_prompt
+from hqekv.cache import SlidingWindowLayer
+from tests.helpers import stored_bytes
 
 pytestmark = pytest.mark.slow
 
@@ -52,4 +52,4 @@ def test_fp16_ratios_reproduce_and_a_pass_key_survives_bavg_3_2(name, request):
     sliding = [layer for layer in cache.layers if isinstance(layer, SlidingWindowLayer)]
     assert bool(sliding) == (name == "gemma3")
     if sliding:  # Gemma3: 15 sliding layers of 512 − 1 tokens, 3 global layers compressed
-        assert len(sliding) == 15 and all(layer.keys.shape[2] == 511 for layer in sliding)
+        assert len(sliding) == 15 and all(layer.buffer.keys.shape[2] == 511 for layer in sliding)

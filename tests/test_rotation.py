@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import hqekv
-from hqekv.pools import VALUE, decode_chunks, encode_chunks
+from hqekv.cache.pools import VALUE, decode_chunks, encode_chunks
 from hqekv.config import HqeKVConfig, TierRatios
 from hqekv.patching import output_cache
 from hqekv.tiers import INT1, INT2

@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from hqekv.data import haystack_with_needle, haystack_with_needles
+from hqekv.texts import haystack_with_needle, haystack_with_needles
 from hqekv.eval.ruler import RULER_TASKS, string_match_all
 from hqekv.eval.runner import check_request
 from hqekv.eval.tasks import TASKS, expand_tasks

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 import hqekv
-from hqekv.data import passkey_prompt
-from tests.conftest import stored_bytes
+from hqekv.texts import passkey_prompt
+from tests.helpers import stored_bytes
 
 pytestmark = pytest.mark.slow
 

@@ -10,10 +10,11 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from transformers import CompileConfig
 
 import hqekv
+from hqekv.cache import room
 from hqekv.config import TierRatios
 
-from .conftest import stored_bytes, tiny_llama
-from .test_compile import MIXED, DEVICE, Calls, decode_loop
+from .helpers import DEVICE, Calls, decode_loop, stored_bytes, tiny_llama
+from .helpers import EVERY_TIER as MIXED
 
 STEPS = 100  # three flushes, two re-ranks after a 72-token prefill
 # On a CPU the decode kernel reads a row's chunks in table order whatever the table's width:
@@ -30,7 +31,10 @@ def test_decode_tensors_are_the_row_state_the_length_and_the_pools():
     model = tiny_llama().to(DEVICE)
     hqekv.patch_model(model, ratios=MIXED)
     layer = prefilled(model).layers[0]
-    named = [getattr(layer, name) for name in (*layer.ROW_STATE, "length")]
+    t, tail, window, counters = layer.table, layer.tail, layer.query_window, layer.counters
+    named = [t.chunk_pos, t.k_tier, t.k_slot, t.v_tier, t.v_slot, tail.k, tail.v, tail.length, window.q, window.pos,
+             window.valid, counters.real_len, counters.n_chunks, counters.n_evicted, counters.since_rerank,
+             counters.overrun, counters.budget_share, layer.length]  # fmt: skip
     pools = [t for component in ("k", "v") for t in layer.pools[component].tensors()]
     assert [id(t) for t in layer.decode_tensors()] == [id(t) for t in named + pools]
 
@@ -74,7 +78,7 @@ def test_static_cache_keeps_every_address_and_the_logits(monkeypatch):
     model = tiny_llama().to(DEVICE)
     hqekv.patch_model(model, ratios=MIXED)
     exact, static = prefilled(model), prefilled(model, max_length=72 + STEPS)
-    assert all(layer.static for layer in static.layers) and not any(layer.static for layer in exact.layers)
+    assert all(layer.capacity.keeps_addresses() for layer in static.layers) and not any(layer.capacity.keeps_addresses() for layer in exact.layers)
     expected = decode_loop(model, exact, follow_tokens())
     layer = static.layers[0]
     flushes, reranks = Calls(monkeypatch, layer, "_add_fp16_chunks"), Calls(monkeypatch, layer, "rerank")
@@ -107,12 +111,12 @@ def test_static_room_is_what_the_ratios_imply_and_the_prefill_gives_back_its_fp1
     with torch.no_grad():
         model(input_ids=ids, cache=cache)
     for layer in cache.hqekv_layers:
-        slots, width = layer._planned_room()
+        slots, width = room.planned_room(layer)
         # 11 chunks: 2 protected, 0.3/0.4/0.2 of the other 9 in 4/2/1 bits, 0.1 evicted
         assert slots["k"] == {0: 2 + 2, 1: 3 + 2, 2: 4 + 2, 3: 1 + 2} and width == 11  # at most every chunk
         for component, pools in layer.pools.items():
             assert {t: pools.capacity(t) for t in slots[component]} == slots[component]
-        assert layer.chunk_pos.shape[1] == width
+        assert layer.table.chunk_pos.shape[1] == width
     report = cache.memory_report()
     assert 0 < report.bytes_by_part["reserve"] and report.total_bytes == stored_bytes(cache)
 
@@ -165,7 +169,7 @@ def test_generate_makes_its_cache_static_when_it_compiles_the_decode_step(ratios
     assert torch.equal(compiled.sequences, eager.sequences)
     static_cache, plain_cache = hqekv.patching.output_cache(compiled), hqekv.patching.output_cache(eager)
     assert all(layer.max_length == 40 + 70 - 1 for layer in static_cache.layers)  # the last token is never stored
-    assert not any(layer.static for layer in plain_cache.layers)
+    assert not any(layer.capacity.keeps_addresses() for layer in plain_cache.layers)
     assert static_cache.memory_report().chunks == plain_cache.memory_report().chunks
 
 
@@ -205,6 +209,6 @@ def test_compiled_generate_over_static_caches_of_any_prompt_compiles_the_step_on
         with torch.no_grad():
             out = model.generate(ids, max_new_tokens=40, min_new_tokens=40, do_sample=False, compile_config=config,
                                  return_dict_in_generate=True)  # fmt: skip
-        assert all(layer.static for layer in hqekv.patching.output_cache(out).layers)
+        assert all(layer.capacity.keeps_addresses() for layer in hqekv.patching.output_cache(out).layers)
         frames.append(counter.frame_count)
     assert frames[0] > 0 and frames == frames[:1] * 3, frames  # the later requests compile nothing

@@ -9,7 +9,7 @@ import torch  # noqa: E402
 from accelerate import PartialState  # noqa: E402
 
 from hqekv.cli import build_parser, model_dtype  # noqa: E402
-from hqekv.models import load_model  # noqa: E402
+from hqekv.packaged_models import load_model  # noqa: E402
 
 
 def start_worker(command: str):

@@ -104,7 +104,7 @@ class Method:
                 raise ImportError("the quanto:B method needs optimum-quanto: pip install optimum-quanto") from error
         kwargs = self.patch_kwargs()
         if self.kind in ONE_SET:
-            from ..patching import resolve_config
+            from ..resolve import resolve_config
 
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")

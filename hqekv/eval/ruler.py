@@ -3,7 +3,7 @@ tracking, common words.
 
 After RULER (Hsieh et al., 2024, arXiv 2404.06654), so that figures can be read next to its
 tables: the same kinds of task, templates and scoring (the share of the expected strings
-the answer holds), made from the texts :mod:`hqekv.data` installs. Its QA with distractors
+the answer holds), made from the texts :mod:`hqekv.texts` installs. Its QA with distractors
 is the ``squad`` task (a SQuAD paragraph among paragraphs of other articles).
 
 - ``niah_multikey``: four "special magic number" needles under different keys, one asked for;
@@ -13,7 +13,7 @@ is the ``squad`` task (a SQuAD paragraph among paragraphs of other articles).
 - ``cwe``: a numbered list of words in which ten appear 30 times and the rest 3 times, the
   ten asked for.
 
-Keys and values are seeded draws: 7-digit numbers, words of the essays (:func:`hqekv.data.essay_words`).
+Keys and values are seeded draws: 7-digit numbers, words of the essays (:func:`hqekv.texts.essay_words`).
 Each prompt ends with the start of the answer (RULER's answer prefix), after the chat
 turn's generation prompt.
 """
@@ -23,7 +23,7 @@ from __future__ import annotations
 import random
 import string
 
-from .. import data
+from .. import texts
 from .tasks import Sample, Task, _timed, greedy_generate
 
 NEEDLE_INTRO = (
@@ -67,7 +67,7 @@ class RulerTask(Task):
             length = lengths[i % len(lengths)]
             rng = random.Random(f"{self.name}-{seed}-{i}")
             user, prefix, answers, meta = self.make(tokenizer, length, rng)
-            prompt = data.chat(tokenizer, user) + prefix
+            prompt = texts.chat(tokenizer, user) + prefix
             ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False).input_ids
             out.append(Sample(f"{self.name}-{i}", ids, answers, {"length": length, **meta}))
         return out
@@ -93,7 +93,7 @@ def _needles_in_essays(
     """The user turn: ``intro``, essay text with the needles at their depths, ``question``;
     about ``length`` tokens in all."""
     overhead = _tokens(tokenizer, f"{intro}\n\n\n\n{question}") + sum(_tokens(tokenizer, n) + 2 for n in needles)
-    hay = data.haystack_with_needles(
+    hay = texts.haystack_with_needles(
         tokenizer, max(32, length - overhead), needles, depths, offset=rng.randint(0, 100_000)
     )
     return f"{intro}\n\n{hay}\n\n{question}"
@@ -107,7 +107,7 @@ class MultiKeyNeedleTask(RulerTask):
     max_new_tokens = 16
 
     def make(self, tokenizer, length, rng):
-        keys = rng.sample(data.essay_words(), self.keys)
+        keys = rng.sample(texts.essay_words(), self.keys)
         values = [_number(rng) for _ in keys]
         asked = rng.randrange(self.keys)
         needles = [f"One of the special magic numbers for {k} is: {v}." for k, v in zip(keys, values)]
@@ -125,7 +125,7 @@ class MultiValueNeedleTask(RulerTask):
     max_new_tokens = 48
 
     def make(self, tokenizer, length, rng):
-        key = rng.choice(data.essay_words())
+        key = rng.choice(texts.essay_words())
         values = [_number(rng) for _ in range(self.values)]
         needles = [f"One of the special magic numbers for {key} is: {v}." for v in values]
         question = f"What are all the special magic numbers for {key} mentioned in the provided text?"
@@ -172,7 +172,7 @@ class CommonWordsTask(RulerTask):
             "Memorize the ones that appear most often."
         )
         question = f"Question: What are the {self.common} most common words in the above list?"
-        words = list(data.essay_words())
+        words = list(texts.essay_words())
         rng.shuffle(words)
         common, pool = words[: self.common], words[self.common :]
         budget = length - _tokens(tokenizer, f"{intro}\n\n{question}")

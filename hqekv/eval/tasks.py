@@ -1,7 +1,7 @@
 """Evaluation tasks, generated offline and seeded: needle, squad, ppl, and the RULER-style
 set (:mod:`hqekv.eval.ruler`).
 
-Each task makes :class:`Sample` s from the offline texts (``hqekv.data``) and scores a
+Each task makes :class:`Sample` s from the offline texts (``hqekv.texts``) and scores a
 model on one sample through :func:`greedy_generate` or :func:`continuation_nll`, which
 also time the prefill and the decode and return the cache for byte counting. Text used
 for calibration (the first SQuAD articles) is never used here.
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import data
+from .. import texts
 from ..cache import HqeKVCache
 from ..patching import is_patched, new_cache, output_cache
 
@@ -191,7 +191,7 @@ class NeedleTask(Task):
         out = []
         for i in range(n):
             length, depth = lengths[i % len(lengths)], self.depths[(i // len(lengths)) % len(self.depths)]
-            prompt, key = data.passkey_prompt(tokenizer, length, depth=depth, seed=seed * 1000 + i)
+            prompt, key = texts.passkey_prompt(tokenizer, length, depth=depth, seed=seed * 1000 + i)
             ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False).input_ids
             out.append(Sample(f"needle-{i}", ids, [key], {"length": length, "depth": depth}))
         return out
@@ -216,7 +216,7 @@ class SquadTask(Task):
     max_new_tokens = 24
 
     def samples(self, tokenizer, n, lengths, seed):
-        articles = data.squad_qa()[CALIBRATION_ARTICLES:]
+        articles = texts.squad_qa()[CALIBRATION_ARTICLES:]
         rng = random.Random(seed)
         questions = [(ai, pi, qa) for ai, a in enumerate(articles) for pi, (_, qas) in enumerate(a[1]) for qa in qas]
         out = []
@@ -239,7 +239,7 @@ class SquadTask(Task):
                 "Answer the question using the document. Reply with a short answer only.\n\n"
                 f"Document:\n{document}\n\nQuestion: {qa['question']}"
             )
-            ids = tokenizer(data.chat(tokenizer, user), return_tensors="pt", add_special_tokens=False).input_ids
+            ids = tokenizer(texts.chat(tokenizer, user), return_tensors="pt", add_special_tokens=False).input_ids
             answers = [a["text"] for a in qa["answers"]]
             out.append(Sample(f"squad-{qa['id']}", ids, answers, {"length": length, "question": qa["question"]}))
         return out
@@ -264,14 +264,14 @@ class PerplexityTask(Task):
     continuation_tokens = 256
 
     def samples(self, tokenizer, n, lengths, seed):
-        articles = data.squad_articles()[CALIBRATION_ARTICLES:]
+        articles = texts.squad_articles()[CALIBRATION_ARTICLES:]
         rng = random.Random(seed)
         out = []
         for i in range(n):
             length = lengths[i % len(lengths)]
             order = list(articles)
             rng.shuffle(order)
-            ids, _ = data.joined_tokens(tokenizer, order, length + self.continuation_tokens)
+            ids, _ = texts.joined_tokens(tokenizer, order, length + self.continuation_tokens)
             ids = torch.tensor([ids])
             out.append(Sample(f"ppl-{i}", ids[:, :length], [], {"length": length}, ids[:, length:]))
         return out

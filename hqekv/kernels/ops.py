@@ -2,7 +2,7 @@
 
 Each op runs its Triton kernel on CUDA and its pure-PyTorch reference elsewhere, except a
 decode step of ``mixed_attention`` on CPU, which runs the fused C kernel of
-:mod:`~hqekv.kernels.cpu`. ``HQEKV_TRITON=0`` in the environment (read at import) makes
+:mod:`~hqekv.kernels.mixed_attention_cpu`. ``HQEKV_TRITON=0`` in the environment (read at import) makes
 CUDA tensors use the references too; ``HQEKV_CPU_KERNEL=0``, CPU decode steps. The ops are
 opaque to ``torch.compile``: the fakes give the output shapes, so a compiled graph holds
 them without a graph break on any device.
@@ -16,7 +16,7 @@ import warnings
 import torch
 from torch import Tensor
 
-from . import cpu
+from . import mixed_attention_cpu as cpu
 from ._triton import HAVE_TRITON
 from .dequantize import dequantize_reference, dequantize_triton
 from .mixed_attention import mixed_attention_reference, mixed_attention_triton, triton_fits
@@ -95,7 +95,7 @@ def mixed_attention_default(
     scaling, value_group,
 ) -> Tensor:  # fmt: skip
     """``mixed_attention`` off CUDA: a decode step (one new token) on CPU runs the fused C kernel
-    (:mod:`hqekv.kernels.cpu`) when it is built; anything else, the PyTorch reference. A kernel
+    (:mod:`hqekv.kernels.mixed_attention_cpu`) when it is built; anything else, the PyTorch reference. A kernel
     that cannot be built is said once, in a warning, not skipped in silence."""
     global _warned_cpu
     args = (query, key, value, new_valid, k_pools, v_pools, k_tier, k_slot, v_tier, v_slot, tail_k, tail_v, tail_len,

@@ -3,7 +3,7 @@
 An architecture file only says how a module turns hidden states into (q, k, v) after
 RoPE; this forward then attends through the request's :class:`~hqekv.cache.HqeKVCache`
 layer for that module: an :class:`~hqekv.cache.HqeKVLayer` for a global attention layer,
-a :class:`~hqekv.sliding.SlidingWindowLayer` for a sliding-window one.
+a :class:`~hqekv.cache.SlidingWindowLayer` for a sliding-window one.
 """
 
 from __future__ import annotations

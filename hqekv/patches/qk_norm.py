@@ -2,7 +2,7 @@
 
 Gemma3's other differences live elsewhere: its ``query_pre_attn_scalar`` scaling is the
 module's ``scaling``, which the shared forward passes on; its local layers are
-sliding-window layers (:mod:`hqekv.sliding`).
+sliding-window layers (:mod:`hqekv.cache.sliding`).
 """
 
 from __future__ import annotations

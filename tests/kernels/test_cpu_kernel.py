@@ -1,4 +1,4 @@
-"""The fused C decode attention (hqekv.kernels.cpu) against the PyTorch reference, its errors,
+"""The fused C decode attention (hqekv.kernels.mixed_attention_cpu) against the PyTorch reference, its errors,
 and how the op chooses it.
 
 Tolerances are those of the Triton kernel (``ATTENTION_TOL``, relative to the output scale):
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from hqekv import kernels
-from hqekv.kernels import cpu, ops
+from hqekv.kernels import mixed_attention_cpu as cpu, ops
 from hqekv.kernels.mixed_attention import mixed_attention_reference
 
 from .random_cache import random_mixed_cache
@@ -106,7 +106,7 @@ def test_a_cpu_decode_step_runs_the_fused_kernel_and_a_longer_input_the_referenc
 def test_without_a_compiler_the_op_warns_once_and_answers_with_the_reference(tmp_path):
     script = """
 import warnings, torch
-from hqekv.kernels import cpu, ops
+from hqekv.kernels import mixed_attention_cpu as cpu, ops
 from tests.kernels.random_cache import random_mixed_cache
 from hqekv.kernels.mixed_attention import mixed_attention_reference
 args = random_mixed_cache(b=1, hq=2, hkv=1, s=1, d=16, n_chunks=3, value_group=16)
@@ -130,7 +130,7 @@ def test_a_kernel_library_cut_short_in_the_cache_is_built_again_not_loaded(tmp_p
     loaded and kill every process that touched it with a bus error; it is rebuilt instead."""
     script = """
 import torch
-from hqekv.kernels import cpu, ops
+from hqekv.kernels import mixed_attention_cpu as cpu, ops
 from tests.kernels.random_cache import random_mixed_cache
 from hqekv.kernels.mixed_attention import mixed_attention_reference
 assert cpu.available()[0], cpu.available()
@@ -156,7 +156,7 @@ torch.testing.assert_close(out, mixed_attention_reference(**args), atol=1e-5, rt
 
 def test_hqekv_cpu_kernel_0_turns_the_kernel_off():
     done = subprocess.run(
-        [sys.executable, "-c", "from hqekv.kernels import cpu; print(cpu.available())"],
+        [sys.executable, "-c", "from hqekv.kernels import mixed_attention_cpu as cpu; print(cpu.available())"],
         env=dict(os.environ, HQEKV_CPU_KERNEL="0"), capture_output=True, text=True,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr

@@ -14,27 +14,13 @@ attention op takes them.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
 
-from . import kernels
-from .tiers import FP16, QUANTIZED_TIERS, TIER_FORMATS, TIER_NAMES
-
-KEY, VALUE = "k", "v"
-
-GROWTH = 1.25
-"""Factor by which static storage that runs out of room grows. Each growth moves it (a
-CUDA graph re-records once); what it reserves beyond need is real memory. Measured with
-SmolLM2, a 4K prompt and 256 new tokens (``benchmarks/static_room.py``): factor 2 left
-13.8% (bavg 2) and 12.3% (bavg 3.2) of the cache in reserve at the end, 1.25 left 13.6%
-and 10.9%, both with storage moved before 6 and 5 of the 255 decode steps."""
-
-
-def grown(capacity: int) -> int:
-    """The room after one growth of static storage of ``capacity`` slots (or columns)."""
-    return max(capacity + 1, math.ceil(capacity * GROWTH))
+from .. import kernels
+from ..tiers import FP16, KEY, QUANTIZED_TIERS, TIER_FORMATS, TIER_NAMES, VALUE
+from .rows import Capacity
 
 
 @dataclass
@@ -132,22 +118,22 @@ class ComponentPools:
         else:
             self.quantized[t] = QuantizedPool(*parts)
 
-    def store(self, t: int, start: int, new: torch.Tensor | QuantizedPool, static: bool) -> None:
+    def store(self, t: int, start: int, new: torch.Tensor | QuantizedPool, capacity: Capacity) -> None:
         """Write ``new`` (FP16 chunks (N, H, G, D), or a :class:`QuantizedPool` of N slots) into
         slots ``start`` … ``start + N − 1`` of tier ``t``, in place, and count them in use.
 
-        Without room the tier grows first (new tensors): when ``static``, by
-        :data:`GROWTH` at least, so that growing is rare; otherwise to exactly the slots
-        needed.
+        Without room the tier grows first (new tensors), as ``capacity`` sizes it: a static
+        cache by :data:`~hqekv.cache.rows.GROWTH` at least, so that growing is rare; others
+        to exactly the slots needed.
         """
         if not 0 <= start <= self.used[t]:
             raise ValueError(f"slots are stored from {start}, but tier {t} has {self.used[t]} in use: no gaps")
         new_parts = (new,) if t == FP16 else new.tensors()
         end = start + new_parts[0].shape[0]
-        capacity = self.capacity(t)
-        if end > capacity:
+        room = self.capacity(t)
+        if end > room:
             self.used[t] = start  # the slots from start on are overwritten: the growth need not keep them
-            self.resize(t, max(end, grown(capacity)) if static else end)
+            self.resize(t, capacity.room(room, end))
         for x, y in zip(self._parts(t), new_parts):
             x[start:end] = y
         self.used[t] = max(self.used[t], end)

@@ -17,14 +17,27 @@ validity mask (B, W − 1) that is False for padding and for slots not filled ye
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
-from .config import HqeKVConfig
-from .layer_base import RowStateLayer, check_storable
 
-_ROW_STATE = ("keys", "values", "valid")
+from ..config import HqeKVConfig
+from .rows import RowPart, RowStateLayer, check_storable
 
 
-def window_attention(
+@dataclass
+class SlidingBuffer(RowPart):
+    """The last W − 1 tokens of every row: ``keys``, ``values`` (B, Hkv, W − 1, D) and
+    ``valid`` (B, W − 1) bool, False for padding and for slots not filled yet."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    valid: torch.Tensor
+
+    PART = "sliding"
+
+
+def sliding_attention(
     query: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
@@ -57,16 +70,15 @@ def window_attention(
 class SlidingWindowLayer(RowStateLayer):
     """One sliding-window attention layer: the last ``window − 1`` tokens at full precision.
 
-    Used through :meth:`attend`, like :class:`~hqekv.cache.HqeKVLayer`: the prefill is the
+    Used through :meth:`attend`, like :class:`~hqekv.cache.layer.HqeKVLayer`: the prefill is the
     model's own attention (its sliding mask), later inputs attend over the window plus
-    themselves with :func:`window_attention`. A decode step is a fixed-shape roll of the
+    themselves with :func:`sliding_attention`. A decode step is a fixed-shape roll of the
     buffer, so it compiles to one graph.
     """
 
     is_sliding = True
     is_compileable = True
     is_croppable = False
-    ROW_STATE = _ROW_STATE
 
     def __init__(self, config: HqeKVConfig, window: int, layer_idx: int | None = None, max_length: int | None = None):
         super().__init__(max_length)
@@ -77,6 +89,12 @@ class SlidingWindowLayer(RowStateLayer):
         self.layer_idx = layer_idx
         self.has_tokens = False
 
+    def row_parts(self) -> list[RowPart]:
+        return [self.buffer]
+
+    def _adopt_parts(self, parts) -> None:
+        (self.buffer,) = parts
+
     # --- CacheLayerMixin contract ----------------------------------------------------------
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor, *args) -> None:
@@ -86,12 +104,13 @@ class SlidingWindowLayer(RowStateLayer):
         self.fp_dtype = self.config.resolve_fp_dtype(self.dtype)
         self.batch_size, self.num_kv_heads, self.head_dim = b, h, d
         slots = self.window - 1
-        self.keys = key_states.new_zeros(b, h, slots, d, dtype=self.fp_dtype)
-        self.values = value_states.new_zeros(b, h, slots, d, dtype=self.fp_dtype)
-        self.valid = torch.zeros(b, slots, dtype=torch.bool, device=self.device)
+        self.buffer = SlidingBuffer(
+            key_states.new_zeros(b, h, slots, d, dtype=self.fp_dtype),
+            value_states.new_zeros(b, h, slots, d, dtype=self.fp_dtype),
+            torch.zeros(b, slots, dtype=torch.bool, device=self.device),
+        )
         self.is_initialized = True
-        if self.static:
-            self.pin()  # fixed-size buffers, written in place: nothing to reserve
+        self.pin()  # fixed-size buffers, written in place: nothing to reserve
 
     def update(self, key_states, value_states, *args, **kwargs):
         raise NotImplementedError(
@@ -108,13 +127,13 @@ class SlidingWindowLayer(RowStateLayer):
     def maintain(self) -> None:
         """Eager step before each forward: nothing to flush or re-rank, the window slides as
         tokens arrive. The window, which holds the tokens the steps since stored, is checked
-        (:func:`~hqekv.layer_base.check_storable`): on a CPU at every call, elsewhere every
+        (:func:`~hqekv.cache.rows.check_storable`): on a CPU at every call, elsewhere every
         ``chunk_size`` calls (one host sync)."""
         if not self.is_initialized:
             return
         if not self.time_to_look(min(self.config.chunk_size, self.window - 1)):
             return
-        check_storable(self.layer_idx, (self.keys, self.values), (self.fp_dtype,), self.seen)
+        check_storable(self.layer_idx, (self.buffer.keys, self.buffer.values), (self.fp_dtype,), self.seen)
 
     # --- attention ---------------------------------------------------------------------------
 
@@ -129,7 +148,7 @@ class SlidingWindowLayer(RowStateLayer):
     ) -> torch.Tensor:
         """Attention of the new tokens over the window and themselves, then store them.
 
-        Shapes as :meth:`hqekv.cache.HqeKVLayer.attend`: query (B, Hq, S, D), key/value
+        Shapes as :meth:`hqekv.cache.layer.HqeKVLayer.attend`: query (B, Hq, S, D), key/value
         (B, Hkv, S, D) after RoPE, new_valid (B, S) -> (B, S, Hq, D).
         """
         b, _, s, _ = key.shape
@@ -150,11 +169,12 @@ class SlidingWindowLayer(RowStateLayer):
             out = dense_attention(query, key, value)  # the model's own sliding mask: exactly its prefill
         else:
             slots = self.window - 1
-            keys = torch.cat([self.keys, key.to(self.fp_dtype)], dim=2)
-            values = torch.cat([self.values, value.to(self.fp_dtype)], dim=2)
+            buffer = self.buffer
+            keys = torch.cat([buffer.keys, key.to(self.fp_dtype)], dim=2)
+            values = torch.cat([buffer.values, value.to(self.fp_dtype)], dim=2)
             index = torch.arange(-slots, s, device=key.device)  # relative to the first new token
-            out = window_attention(
-                query, keys, values, index, torch.cat([self.valid, new_valid], 1), index[slots:], self.window, scaling
+            out = sliding_attention(
+                query, keys, values, index, torch.cat([buffer.valid, new_valid], 1), index[slots:], self.window, scaling
             )
         self._store(key, value, new_valid)
         return out
@@ -166,10 +186,11 @@ class SlidingWindowLayer(RowStateLayer):
     def _store(self, key, value, new_valid) -> None:
         """Keep the last ``window − 1`` tokens (fixed shapes: an in-place roll)."""
         slots = self.window - 1
+        b = self.buffer
         with torch.no_grad():
-            for buffer, new in ((self.keys, key), (self.values, value)):
-                buffer.copy_(torch.cat([buffer, new.detach().to(buffer.dtype)], dim=2)[:, :, -slots:] if slots else buffer)
-            self.valid.copy_(torch.cat([self.valid, new_valid], dim=1)[:, -slots:] if slots else self.valid)
+            for held, new in ((b.keys, key), (b.values, value)):
+                held.copy_(torch.cat([held, new.detach().to(held.dtype)], dim=2)[:, :, -slots:] if slots else held)
+            b.valid.copy_(torch.cat([b.valid, new_valid], dim=1)[:, -slots:] if slots else b.valid)
         self.has_tokens = True
 
     # --- accounting ----------------------------------------------------------------------------
@@ -178,8 +199,8 @@ class SlidingWindowLayer(RowStateLayer):
         """Real bytes of the window, keys and values plus the validity mask."""
         if not self.is_initialized:
             return {}
-        return {"sliding": self.keys.nbytes + self.values.nbytes + self.valid.nbytes, "counters": self.length.nbytes}
+        return {self.buffer.PART: self.buffer.nbytes(), "counters": self.length.nbytes}
 
     def held_tokens(self) -> int:
         """Real (non-padding) tokens in the window, over all rows."""
-        return int(self.valid.sum()) if self.is_initialized else 0
+        return int(self.buffer.valid.sum()) if self.is_initialized else 0

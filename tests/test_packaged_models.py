@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from hqekv import models
-from hqekv.models import PackagedModel
+from hqekv import packaged_models
+from hqekv.packaged_models import PackagedModel
 
 
 @pytest.fixture
@@ -36,7 +36,7 @@ def fake_parts(tmp_path, monkeypatch):
 def test_parts_are_joined_once_and_checked(fake_parts):
     model, joined = fake_parts
     path = model.path()
-    assert path.read_bytes() == joined and path.parent == models.cache_dir()
+    assert path.read_bytes() == joined and path.parent == packaged_models.cache_dir()
     mtime = path.stat().st_mtime_ns
     assert model.path() == path and path.stat().st_mtime_ns == mtime  # checked, not rewritten
 
@@ -53,7 +53,7 @@ def test_wrong_parts_fail_with_the_hashes_and_leave_nothing(fake_parts):
     bad = PackagedModel(model.name, model.model_id, model.gguf, model.parts, "0" * 64, model.install)
     with pytest.raises(ValueError, match="expected 0000"):
         bad.path()
-    assert list(models.cache_dir().iterdir()) == []  # no partial or wrong file left behind
+    assert list(packaged_models.cache_dir().iterdir()) == []  # no partial or wrong file left behind
 
 
 def test_missing_package_names_the_install_command(fake_parts):
@@ -65,7 +65,7 @@ def test_missing_package_names_the_install_command(fake_parts):
 
 
 def test_packaged_names_resolve_to_their_hub_ids():
-    assert set(models.MODEL_NAMES) == {"smollm2", "qwen2.5-coder", "gemma3"}
-    assert models.resolve("some/repo") == ("some/repo", None, "some/repo")
+    assert set(packaged_models.MODEL_NAMES) == {"smollm2", "qwen2.5-coder", "gemma3"}
+    assert packaged_models.resolve("some/repo") == ("some/repo", None, "some/repo")
     with pytest.raises(ValueError, match="gguf-file"):
-        models.resolve("smollm2", "other.gguf")
+        packaged_models.resolve("smollm2", "other.gguf")

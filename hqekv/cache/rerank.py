@@ -1,0 +1,376 @@
+"""Re-ranking, whole (SPEC §1.4): importance -> policy (or the allocator) -> rebuild.
+
+- :func:`rerank`: a layer's re-rank of some rows, the steps below in order;
+- :func:`dequantized_tiles`, :func:`window_tiles`: a re-rank's passes over a layer's cache,
+  a tile at a time;
+- :func:`chunk_scores`: each kept chunk's importance, by the configured scorer
+  (:data:`SCORERS`: the K-V metric from the window queries, or the random control);
+- :func:`allocator_choices`: what the rate-distortion allocator chooses from
+  (``ratios="auto"``, :mod:`hqekv.allocation`);
+- :func:`propose`: the tier the policy gives each kept chunk, from its importance scores;
+- :func:`rebuild`: new pools and chunk tables for new tiers, chunks only moving down
+  (FP16 → 4 → 2 → 1 bit → evicted), downgraded ones re-quantized from their dequantized
+  values;
+- :func:`place`: pools and tables that hold every chunk of an FP16 prefill at a given tier,
+  from chunks encoded beforehand at every tier (calibration scores tier assignments this
+  way without re-running the prefill).
+
+The steps below :func:`rerank` keep no state: each takes tensors and returns tensors. The
+layer (:class:`hqekv.cache.HqeKVLayer`) decides when to re-rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from .. import allocation, importance, policy
+from ..config import HqeKVConfig, TierRatios
+from ..rotation import unrotate
+from ..tiers import EVICTED, FP16, INT1, INT2, INT4, QUANTIZED_TIERS, RERANK_TILE_CHUNKS, TILE_CHUNKS
+from .pools import KEY, VALUE, ComponentPools, QuantizedPool, encode_chunks
+from .table import ChunkTable
+
+WAITING = "int4"
+"""Under fixed ratios, the tier a chunk waits at while eviction is deferred
+(:data:`WAITING_TIERS`): "int4", at most 4 bits (the default), "above" the policy's, or
+"at" it (ablations)."""
+
+
+WAITING_TIERS = {
+    "int4": torch.tensor([FP16, INT4, INT4, INT4, INT4]),
+    "above": torch.tensor([FP16, INT4, INT4, INT2, INT2]),
+    "at": torch.tensor([FP16, INT4, INT2, INT1, INT1]),
+}
+"""The tier a chunk waits at, indexed by the policy's tier (FP16, 4, 2, 1 bit, evicted), while
+a prompt arrives in pieces and the question may still come (:data:`WAITING`).
+"int4": FP16 where the policy keeps it, else 4 bits, so that nothing the prompt's last
+queries may want is lost below 4 bits: the end of the prompt places every tier as a one-shot
+prefill would (the same tier counts and bytes), at 4-bit storage until then. "above": one
+tier above the policy's; early re-ranks that push chunks down one after another leave too
+few at 4 bits for the end (on SmolLM2 at bavg 2, 9% fewer bytes than one-shot and a larger
+loss). "at": the policy's tier, evicted chunks at 1 bit (the former behaviour)."""
+
+
+def waiting(tiers: torch.Tensor, how: str) -> torch.Tensor:
+    """The tiers (B, C) chunks wait at under :data:`WAITING_TIERS` ``[how]``; -1 stays."""
+    table = WAITING_TIERS[how].to(tiers.device)
+    return torch.where(tiers >= 0, table[tiers.clamp(min=0)], tiers)
+
+
+def propose(
+    config: HqeKVConfig,
+    score_k: torch.Tensor,
+    score_v: torch.Tensor,
+    table: ChunkTable,
+    n_chunks: torch.Tensor,
+    n_evicted: torch.Tensor,
+    ratios: TierRatios,
+    key_ratios: TierRatios | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The policy's K and V tier (B, C) for every chunk of ``table`` from its scores (B, C),
+    under ``ratios`` (the keys under ``key_ratios`` when given) and ``config``'s protected
+    chunks and eviction rule."""
+    return policy.assign_tiers(
+        score_k,
+        score_v,
+        table.chunk_pos >= 0,
+        ratios,
+        n_logical=n_chunks,
+        n_evicted=n_evicted,
+        protected=config.protected_chunks,
+        eviction=config.eviction,
+        fp16_k=table.k_tier == FP16,
+        fp16_v=table.v_tier == FP16,
+        key_ratios=key_ratios,
+        floor_k=table.k_tier.clamp(min=0),
+        floor_v=table.v_tier.clamp(min=0),
+    )
+
+
+def rebuild(
+    table: ChunkTable,
+    pools: dict[str, ComponentPools],
+    new_k: torch.Tensor,
+    new_v: torch.Tensor,
+    read: Callable[[str, torch.Tensor, torch.Tensor], torch.Tensor],
+    value_group: int,
+    meta_dtype: torch.dtype,
+) -> tuple[ChunkTable, dict[str, ComponentPools]]:
+    """Pools and tables for new tiers (B, C); EVICTED entries are dropped.
+
+    Chunks that keep their tier are copied slot to slot; downgraded ones are re-quantized
+    from their dequantized values, ``read(component, rows, cols)`` -> (n, H, G, D) for the
+    n table entries (rows, cols), asked for :data:`~hqekv.tiers.TILE_CHUNKS` at a time.
+    Tiers never move up.
+    """
+    device = table.chunk_pos.device
+    kept = (table.chunk_pos >= 0) & (new_k != EVICTED)
+    new_slots, new_pools = {}, {}
+    for component, old_tier, old_slot, new_tier in (
+        (KEY, table.k_tier, table.k_slot, new_k),
+        (VALUE, table.v_tier, table.v_slot, new_v),
+    ):
+        slot = torch.full_like(old_slot, -1)
+        by_tier = {}
+        for t in (FP16, *QUANTIZED_TIERS):
+            at_t = kept & (new_tier == t)
+            same = at_t & (old_tier == t)
+            moved = at_t & (old_tier != t)
+            rs, cs = same.nonzero(as_tuple=True)
+            rm, cm = moved.nonzero(as_tuple=True)
+            slot[rs, cs] = torch.arange(rs.numel(), device=device)
+            slot[rm, cm] = rs.numel() + torch.arange(rm.numel(), device=device)
+            if t == FP16:
+                if rm.numel():
+                    raise AssertionError("a chunk moved up to FP16; tiers only move down")
+                by_tier[t] = pools[component].fp[old_slot[rs, cs]]
+            else:
+                # the new pool is written in place: the chunks that stay, then the moved ones
+                # a batch at a time (quantizing's temporaries stay the size of a batch)
+                old = pools[component].quantized[t].tensors()
+                new = QuantizedPool(*(x.new_empty(rs.numel() + rm.numel(), *x.shape[1:]) for x in old))
+                for into, source in zip(new.tensors(), old):
+                    torch.index_select(source, 0, old_slot[rs, cs], out=into[: rs.numel()])
+                start = rs.numel()
+                for r, c in zip(rm.split(TILE_CHUNKS), cm.split(TILE_CHUNKS)):
+                    fresh = encode_chunks(read(component, r, c), t, component, value_group, meta_dtype)
+                    for into, source in zip(new.tensors(), fresh.tensors()):
+                        into[start : start + r.numel()] = source
+                    start += r.numel()
+                by_tier[t] = new
+        new_slots[component] = slot
+        new_pools[component] = ComponentPools(by_tier[FP16], {t: by_tier[t] for t in QUANTIZED_TIERS})
+
+    # Compact each row's kept chunks to the left, logical order preserved.
+    b = kept.shape[0]
+    width = int(kept.sum(1).max()) if b else 0
+    dest = kept.long().cumsum(1) - 1
+    rows, cols = kept.nonzero(as_tuple=True)
+    compacted = []
+    for source in (table.chunk_pos, new_k, new_slots[KEY], new_v, new_slots[VALUE]):
+        out = torch.full((b, width), -1, dtype=torch.long, device=device)
+        out[rows, dest[rows, cols]] = source[rows, cols]
+        compacted.append(out)
+    return ChunkTable(*compacted), new_pools
+
+
+def place(
+    chunk_pos: torch.Tensor,
+    k_tier: torch.Tensor,
+    v_tier: torch.Tensor,
+    encoded: dict[str, dict[int, torch.Tensor | QuantizedPool]],
+    fp_dtype: torch.dtype,
+) -> tuple[ChunkTable, dict[str, ComponentPools], int]:
+    """Tables and pools of one row whose chunks ``chunk_pos`` (1, C) sit at ``k_tier``/``v_tier`` (1, C).
+
+    ``encoded[component][tier]`` holds every chunk at that tier: FP16 chunks (C, H, G, D) or
+    a QuantizedPool of C slots. EVICTED (in ``k_tier``) drops a chunk from both components.
+    Each tier's pool takes its chunks in table order, as :func:`rebuild` stores chunks that
+    move down from FP16, so attention over the result is the attention over a cache that
+    compressed the same prefill. -> (table, pools, chunks dropped).
+    """
+    kept = (chunk_pos[0] >= 0) & (k_tier[0] != EVICTED)
+    index = kept.nonzero().flatten()
+    tiers, slots, pools = {}, {}, {}
+    for component, tier in ((KEY, k_tier[0, index]), (VALUE, v_tier[0, index])):
+        slot = torch.full_like(tier, -1)
+        by_tier = {}
+        for t in (FP16, *QUANTIZED_TIERS):
+            at = (tier == t).nonzero().flatten()
+            slot[at] = torch.arange(at.numel(), device=slot.device)
+            chunks = index[at]
+            source = encoded[component][t]
+            by_tier[t] = source[chunks].to(fp_dtype) if t == FP16 else source.select(chunks)
+        tiers[component], slots[component] = tier[None], slot[None]
+        pools[component] = ComponentPools(by_tier[FP16], {t: by_tier[t] for t in QUANTIZED_TIERS})
+    table = ChunkTable(chunk_pos[:, index], tiers[KEY], slots[KEY], tiers[VALUE], slots[VALUE])
+    return table, pools, int((~kept).sum())
+
+
+HELD_TILE_BYTES = 2**24
+"""A re-rank's passes over a layer share one dequantized copy of its cache when that copy
+(keys and values) holds at most this many bytes (:func:`tile_reader`): decode
+re-ranks of short caches read the pools once instead of once per pass."""
+
+
+def _finite(x: torch.Tensor) -> bool:
+    """Whether ``x`` holds no NaN and no infinity (its extremes do: a NaN propagates to both)."""
+    return x.numel() == 0 or bool(torch.isfinite(torch.stack(torch.aminmax(x))).all())
+
+
+def dequantized_tiles(layer, values: bool = True, tile: int = RERANK_TILE_CHUNKS):
+    """:meth:`hqekv.cache.view.CacheView.dequantized_tiles` of ``layer``, each tile checked:
+    ``ValueError`` when it holds a NaN or an infinity (nothing can be ranked or quantized)."""
+    view = layer.view(layer.live_table())
+    for start, keys, vals, positions, valid in view.dequantized_tiles(layer.counters.n_chunks, layer.dtype, values,
+                                                                     tile):  # fmt: skip
+        if not (_finite(keys) and (vals is None or _finite(vals))):
+            raise ValueError(
+                f"non-finite (NaN/inf) key or value states in layer {layer.layer_idx}: they cannot be ranked or "
+                "quantized"
+            )
+        yield start, keys, vals, positions, valid
+
+
+def tile_reader(layer):
+    """-> tiles(values=True): the dequantized tiles of ``layer`` for one pass of a
+    re-rank (:func:`dequantized_tiles`). A cache of at most :data:`HELD_TILE_BYTES`
+    dequantized is read once, as one tile, and every pass reuses it; a longer one is
+    read again, a tile at a time, by each pass."""
+    c = layer.live_table().width
+    tokens = (c + 1) * layer.config.chunk_size
+    dense = 2 * layer.batch_size * layer.num_kv_heads * tokens * layer.head_dim * layer.dtype.itemsize
+    if dense > HELD_TILE_BYTES:
+        return lambda values=True: dequantized_tiles(layer, values)
+    held = list(dequantized_tiles(layer, tile=max(c, 1)))
+    return lambda values=True: iter(held)
+
+
+def window_tiles(layer, lse: torch.Tensor | None = None, tiles=None):
+    """The window queries' probabilities over ``layer``'s cache, a tile at a time
+    (:func:`hqekv.importance.window_tiles`): yields (start, keys, values, probs, visible);
+    start is the tile's first table column, C for the tail. ``lse``: the softmax
+    denominators of an earlier pass over the same cache (computed when not given);
+    ``tiles``: a :func:`tile_reader` (:func:`dequantized_tiles` when not given)."""
+    tiles = tiles or (lambda values=True: dequantized_tiles(layer, values))
+    if lse is None:
+        lse = window_lse(layer, tiles)
+    w = layer.query_window
+    return importance.window_tiles(w.q, w.pos, w.valid, tiles(), layer.scaling, lse)
+
+
+def window_lse(layer, tiles=None) -> torch.Tensor:
+    """Log of each window query's softmax denominator over ``layer``'s cache (B, Hkv, g, m)."""
+    tiles = tiles or (lambda values=True: dequantized_tiles(layer, values))
+    w = layer.query_window
+    return importance.window_lse(w.q, w.pos, w.valid, tiles(False), layer.scaling)
+
+
+def metric_scores(layer) -> tuple[torch.Tensor, torch.Tensor]:
+    """The K-V importance of every kept chunk of ``layer`` from its window queries (SPEC §1.2).
+
+    -> score_k, score_v (B, C) float32 in the order of its live table. The cache is read a
+    tile at a time. The scores do not depend on ``config.rotation`` (beyond rounding): q·k is
+    invariant and range(V) is taken in the model's basis.
+    """
+    g = layer.config.chunk_size
+    chunk_pos = layer.live_table().chunk_pos
+    c = chunk_pos.shape[1]
+    score_k, score_v = torch.zeros(2, *chunk_pos.shape, device=layer.device)
+    for start, _, values, probs, visible in window_tiles(layer, tiles=tile_reader(layer)):
+        if start < c:
+            nc = values.shape[2] // g
+            score_k[:, start : start + nc], score_v[:, start : start + nc] = importance.chunk_importance_scores(
+                probs, visible, unrotate(values, layer.rotation), nc, g
+            )
+    return score_k, score_v
+
+
+def random_scores(layer) -> tuple[torch.Tensor, torch.Tensor]:
+    """The control: scores drawn at random for the kept chunks of ``layer``, seeded by its index."""
+    return importance.random_scores(layer.live_table().chunk_pos, layer.layer_idx or 0)
+
+
+SCORERS = {"attention": metric_scores, "random": random_scores}
+"""Chunk scorers by ``config.importance``."""
+
+
+def chunk_scores(layer) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each kept chunk's importance, (B, C) for keys and for values, by ``layer.config.importance``."""
+    return SCORERS[layer.config.importance](layer)
+
+
+def allocator_choices(layer, provisional: bool = False) -> "allocation.LayerChoices":
+    """What the rate-distortion allocator chooses from (``allocation="rate-distortion"``,
+    :mod:`hqekv.allocation`): the :class:`~hqekv.allocation.LayerChoices` of every chunk of
+    ``layer``'s live table.
+
+    The budget of a row is its share of ``bavg`` bits per element of all the chunks it has
+    seen, evicted ones included (``provisional``: :data:`~hqekv.allocation.PROVISIONAL`
+    times that); the top ``protected_chunks`` under either importance metric are never
+    evicted. Three passes over the cache a tile at a time: the window's softmax
+    denominators, the window outputs and importance, then the distortions.
+    """
+    cfg, g = layer.config, layer.config.chunk_size
+    table = layer.live_table()
+    b, c = table.chunk_pos.shape
+    score_k, score_v = torch.zeros(2, b, c, device=layer.device)
+    tiles = tile_reader(layer)
+    out, lse = 0.0, window_lse(layer, tiles)
+    for start, _, values, probs, visible in window_tiles(layer, lse, tiles):
+        out = out + allocation.window_outputs(probs, values)
+        if start < c:
+            nc = values.shape[2] // g
+            score_k[:, start : start + nc], score_v[:, start : start + nc] = importance.chunk_importance_scores(
+                probs, visible, unrotate(values, layer.rotation), nc, g
+            )
+    d_k, d_v = torch.zeros(2, b, c, 4, device=layer.device)
+    d_evict = torch.zeros(b, c, device=layer.device)
+    for start, keys, values, probs, _ in window_tiles(layer, lse, tiles):
+        if start < c:
+            cols = slice(start, start + values.shape[2] // g)
+            d_k[:, cols], d_v[:, cols], d_evict[:, cols] = allocation.tile_distortions(
+                probs, layer.query_window.q, keys, values, out, g, layer.scaling, layer.value_group, layer.meta_dtype,
+                allocation.ERROR_MODEL, table.k_tier[:, cols], table.v_tier[:, cols],
+            )  # fmt: skip
+    chunks = table.kept()
+    evictable = chunks
+    for scores in (score_k, score_v):
+        evictable = evictable & (policy.descending_rank(scores, chunks) >= cfg.protected_chunks)
+    budget = layer.fair_budget() * layer.counters.budget_share * (allocation.PROVISIONAL if provisional else 1.0)
+    energy = out.square().sum((1, 2, 3, 4))
+    return allocation.LayerChoices(d_k, d_v, d_evict, table.k_tier, table.v_tier, evictable, budget, energy)
+
+
+def rerank(layer, rows: torch.Tensor, provisional: bool = False) -> None:
+    """Re-rank the chunks of ``rows`` (B,) bool of ``layer`` and move them down the tiers.
+
+    Importance comes from the window queries over the current cache; chunks only move
+    downward (FP16 → 4 → 2 → 1 → evicted), re-quantized from their dequantized values.
+    While ``layer.deferring`` (a prompt in pieces), no chunk is evicted, and under fixed
+    ratios each chunk waits at 4 bits unless the policy keeps it in FP16 (:data:`WAITING`)
+    for :meth:`HqeKVCache.settle`. Under ``allocation="rate-distortion"``, ``provisional``
+    (a multi-token input) keeps the layer within :data:`~hqekv.allocation.PROVISIONAL` times
+    its budget and leaves its choices in ``layer.pending`` for
+    :meth:`HqeKVCache.share_budget`.
+    """
+    table = layer.live_table()
+    cfg = layer.config
+    if cfg.allocation == "rate-distortion":
+        found = allocator_choices(layer, provisional)
+        if layer.deferring:
+            found.evictable = torch.zeros_like(found.evictable)
+        prop_k, prop_v = allocation.allocate(
+            found.d_k, found.d_v, found.d_evict, *layer.chunk_bytes(), found.k_tier, found.v_tier,
+            found.evictable, found.budget,
+        )  # fmt: skip
+    else:
+        score_k, score_v = chunk_scores(layer)
+        counters = layer.counters
+        prop_k, prop_v = propose(cfg, score_k, score_v, table, counters.n_chunks, counters.n_evicted, cfg.ratios,
+                                 cfg.key_ratios)  # fmt: skip
+        if layer.deferring:  # nothing is evicted, and each chunk waits at 4 bits at most for the prompt's end
+            prop_k, prop_v = waiting(prop_k, WAITING), waiting(prop_v, WAITING)
+    here = rows[:, None] & table.kept()
+    new_k = torch.where(here, prop_k, table.k_tier)
+    new_v = torch.where(here, prop_v, table.v_tier)
+    apply_tiers(layer, table, new_k, new_v)
+    layer.counters.since_rerank.masked_fill_(rows, 0)
+    if provisional and cfg.allocation == "rate-distortion":
+        new_k, new_v = torch.maximum(table.k_tier, new_k), torch.maximum(table.v_tier, new_v)
+        kept = table.kept() & (new_k != EVICTED)
+        layer.pending = found.kept(kept, new_k, new_v)
+
+
+def apply_tiers(layer, table: ChunkTable, new_k: torch.Tensor, new_v: torch.Tensor) -> None:
+    """Move the chunks of ``table`` (``layer``'s live table) to ``new_k``, ``new_v`` (B, C),
+    each at its tier or below; those that move are re-quantized from their dequantized
+    values, a tile of them at a time."""
+    new_k = torch.maximum(table.k_tier, new_k)
+    new_v = torch.maximum(table.v_tier, new_v)
+    evicted = table.kept() & (new_k == EVICTED)
+    read = layer.view(table).chunk_reader(layer.dtype)
+    layer.set_chunks(*rebuild(table, layer.pools, new_k, new_v, read, layer.value_group, layer.meta_dtype))
+    layer.counters.n_evicted += evicted.sum(1)

@@ -1,0 +1,112 @@
+"""Which configuration a patched model runs with: the ratios from explicit shares, an
+artifact (given, your own, or shipped) or the rate-distortion allocator, and the defaults
+that depend on the model (its head dim, the value group)."""
+
+from __future__ import annotations
+
+import warnings
+
+from .config import DEFAULTS, FP16_RATIOS, MAX_BAVG, HqeKVConfig, TierRatios, budget_config, check_bavg, mean_bavg
+
+DEFAULT_BAVG = 3.2
+
+
+class UncalibratedRatiosWarning(UserWarning):
+    """No calibrated ratios exist for this model and bavg; the rate-distortion allocator is used."""
+
+
+def check_causal_lm(model) -> None:
+    from transformers import GenerationMixin, PreTrainedModel
+
+    if not isinstance(model, PreTrainedModel) or not isinstance(model, GenerationMixin):
+        raise TypeError(
+            "patch_model needs a Hugging Face causal language model (e.g. from AutoModelForCausalLM), "
+            f"got {type(model).__name__}"
+        )
+    if getattr(model.config, "is_encoder_decoder", False):
+        raise TypeError(f"patch_model supports decoder-only causal LMs, got encoder-decoder {type(model).__name__}")
+
+
+def resolve_config(model, bavg=None, ratios=None, artifact=None, key_ratios=None, layer_ratios=None,
+                   **settings) -> HqeKVConfig:  # fmt: skip
+    """Ratios in order (SPEC §2): explicit ``ratios`` (and ``key_ratios`` or ``layer_ratios``); ``artifact`` (file,
+    directory or Hub repo id); an artifact shipped in the package for this model and bavg;
+    else the rate-distortion allocator (``ratios="auto"``), with an :class:`UncalibratedRatiosWarning`."""
+    from . import artifacts
+
+    if bavg is not None:
+        bavg = check_bavg(bavg)
+    if ratios is not None and artifact is not None:
+        raise ValueError("pass either ratios= or artifact=, not both")
+    if key_ratios is not None and ratios is None:
+        raise ValueError("key_ratios= needs ratios= (the values' shares); an artifact carries its own key ratios")
+    if layer_ratios is not None and ratios is None:
+        raise ValueError("layer_ratios= needs ratios= (the shares they were split from); "
+                         "an artifact carries its own layer ratios")  # fmt: skip
+    if isinstance(ratios, str):
+        if ratios != "auto":
+            raise ValueError(f"ratios must be tier shares or 'auto' (the rate-distortion allocator), got {ratios!r}")
+        if key_ratios is not None or layer_ratios is not None:
+            raise ValueError("ratios='auto' chooses tiers by itself: key_ratios= and layer_ratios= do not apply")
+        return budget_config(DEFAULT_BAVG if bavg is None else bavg, **settings)
+    if ratios is not None:
+        ratios = TierRatios.coerce(ratios)
+        key_ratios = None if key_ratios is None else TierRatios.coerce(key_ratios)
+        if bavg is None:
+            bavg = mean_bavg(ratios, key_ratios)
+        return HqeKVConfig(
+            ratios=ratios, key_ratios=key_ratios, layer_ratios=layer_ratios, bavg=bavg, ratios_source="explicit",
+            **settings,
+        )
+    fingerprint = artifacts.model_fingerprint(model)
+    matched = {k: settings.get(k, DEFAULTS[k]) for k in artifacts.MATCHED_SETTINGS}
+    if artifact is not None:
+        found = artifacts.find_artifact(artifact, fingerprint, bavg, matched, default_bavg=DEFAULT_BAVG)
+        return HqeKVConfig(
+            ratios=found.ratios, key_ratios=found.key_ratios, layer_ratios=found.layer_ratios, bavg=found.bavg,
+            ratios_source=f"artifact:{found.path}", **settings,
+        )
+    bavg = DEFAULT_BAVG if bavg is None else bavg
+    name = getattr(model.config, "_name_or_path", "") or model.config.model_type
+    own = artifacts.find_own(name, fingerprint, bavg, matched)
+    if own is not None:
+        return HqeKVConfig(
+            ratios=own.ratios, key_ratios=own.key_ratios, layer_ratios=own.layer_ratios, bavg=bavg,
+            ratios_source=f"artifact:{own.path}", **settings,
+        )
+    shipped = artifacts.find_shipped(fingerprint, bavg, matched)
+    if shipped is not None:
+        return HqeKVConfig(
+            ratios=shipped.ratios, key_ratios=shipped.key_ratios, layer_ratios=shipped.layer_ratios, bavg=bavg,
+            ratios_source=f"shipped:{shipped.path.name}", **settings,
+        )
+    if bavg >= MAX_BAVG:  # 16 bits: nothing to allocate, every chunk stays full precision
+        return HqeKVConfig(ratios=FP16_RATIOS, bavg=bavg, ratios_source="full precision", **settings)
+    from .user_cache import artifacts_dir
+
+    repo = artifacts.hub_repo(name)
+    looked = f"{artifacts_dir()}, the shipped ones" + (f" and the local Hub cache of {repo}" if repo else "")
+    warnings.warn(
+        f"hqekv: no calibrated ratios for {name!r} at bavg={bavg:g} (looked in {looked}); the rate-distortion "
+        f"allocator chooses the tiers (ratios='auto': {bavg:g} real bits per element of chunk storage, metadata "
+        "included). Run `hqekv calibrate --model ...` (patch_model then finds its artifact by itself), pass "
+        "artifact=... or ratios=... to use calibrated or fixed shares.",
+        UncalibratedRatiosWarning,
+        stacklevel=3,
+    )
+    return budget_config(bavg, **settings)
+
+
+def head_dim_of(model) -> int:
+    """The attention head dim of ``model``'s text config."""
+    text_config = model.config.get_text_config()
+    return getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
+
+
+def default_value_group(head_dim: int) -> int:
+    """64 channels per value group (capped at the head dim, as the cache caps it), or the
+    largest power of two below it that divides ``head_dim``."""
+    group = 64
+    while head_dim % min(group, head_dim):
+        group //= 2
+    return group
