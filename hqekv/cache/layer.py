@@ -150,13 +150,7 @@ class HqeKVLayer(RowStateLayer):
             new_valid = torch.ones(b, s, dtype=torch.bool, device=key.device)
         if new_valid.shape != (b, s):
             raise ValueError(f"padding mask of shape {tuple(new_valid.shape)} does not match {b} rows × {s} tokens")
-        if self.is_initialized and (
-            key.shape[0] != self.batch_size or key.shape[1] != self.num_kv_heads or key.shape[3] != self.head_dim
-        ):
-            raise ValueError(
-                f"keys of shape {tuple(key.shape)} do not fit a cache of {self.batch_size} rows, "
-                f"{self.num_kv_heads} KV heads, head dim {self.head_dim}"
-            )
+        self.check_fits(key)
         if self.is_initialized and key.dtype != self.dtype:
             raise ValueError(
                 f"layer {self.layer_idx}: this cache holds the {self.dtype} states of a request begun in {self.dtype}, "

@@ -248,6 +248,18 @@ def window_lse(layer, tiles=None) -> torch.Tensor:
     return importance.window_lse(w.q, w.pos, w.valid, tiles(False), layer.scaling)
 
 
+def _score_tile(layer, scores: torch.Tensor, start: int, values, probs, visible) -> None:
+    """Write the importance of one tile's chunks (:func:`window_tiles`) into ``scores``
+    (2, B, C): keys' and values' scores of the table columns from ``start`` on; the tail's
+    tile (start C) holds no chunk and is skipped."""
+    g = layer.config.chunk_size
+    if start < scores.shape[2]:
+        nc = values.shape[2] // g
+        scores[0, :, start : start + nc], scores[1, :, start : start + nc] = importance.chunk_importance_scores(
+            probs, visible, unrotate(values, layer.rotation), nc, g
+        )
+
+
 def metric_scores(layer) -> tuple[torch.Tensor, torch.Tensor]:
     """The K-V importance of every kept chunk of ``layer`` from its window queries (SPEC §1.2).
 
@@ -255,17 +267,11 @@ def metric_scores(layer) -> tuple[torch.Tensor, torch.Tensor]:
     tile at a time. The scores do not depend on ``config.rotation`` (beyond rounding): q·k is
     invariant and range(V) is taken in the model's basis.
     """
-    g = layer.config.chunk_size
     chunk_pos = layer.live_table().chunk_pos
-    c = chunk_pos.shape[1]
-    score_k, score_v = torch.zeros(2, *chunk_pos.shape, device=layer.device)
+    scores = torch.zeros(2, *chunk_pos.shape, device=layer.device)
     for start, _, values, probs, visible in window_tiles(layer, tiles=tile_reader(layer)):
-        if start < c:
-            nc = values.shape[2] // g
-            score_k[:, start : start + nc], score_v[:, start : start + nc] = importance.chunk_importance_scores(
-                probs, visible, unrotate(values, layer.rotation), nc, g
-            )
-    return score_k, score_v
+        _score_tile(layer, scores, start, values, probs, visible)
+    return scores[0], scores[1]
 
 
 def random_scores(layer) -> tuple[torch.Tensor, torch.Tensor]:
@@ -296,16 +302,12 @@ def allocator_choices(layer, provisional: bool = False) -> "allocation.LayerChoi
     cfg, g = layer.config, layer.config.chunk_size
     table = layer.live_table()
     b, c = table.chunk_pos.shape
-    score_k, score_v = torch.zeros(2, b, c, device=layer.device)
+    scores = torch.zeros(2, b, c, device=layer.device)  # keys', values' importance
     tiles = tile_reader(layer)
     out, lse = 0.0, window_lse(layer, tiles)
     for start, _, values, probs, visible in window_tiles(layer, lse, tiles):
         out = out + allocation.window_outputs(probs, values)
-        if start < c:
-            nc = values.shape[2] // g
-            score_k[:, start : start + nc], score_v[:, start : start + nc] = importance.chunk_importance_scores(
-                probs, visible, unrotate(values, layer.rotation), nc, g
-            )
+        _score_tile(layer, scores, start, values, probs, visible)
     d_k, d_v = torch.zeros(2, b, c, 4, device=layer.device)
     d_evict = torch.zeros(b, c, device=layer.device)
     for start, keys, values, probs, _ in window_tiles(layer, lse, tiles):
@@ -317,8 +319,8 @@ def allocator_choices(layer, provisional: bool = False) -> "allocation.LayerChoi
             )  # fmt: skip
     chunks = table.kept()
     evictable = chunks
-    for scores in (score_k, score_v):
-        evictable = evictable & (policy.descending_rank(scores, chunks) >= cfg.protected_chunks)
+    for component_scores in scores:
+        evictable = evictable & (policy.descending_rank(component_scores, chunks) >= cfg.protected_chunks)
     budget = layer.fair_budget() * layer.counters.budget_share * (allocation.PROVISIONAL if provisional else 1.0)
     energy = out.square().sum((1, 2, 3, 4))
     return allocation.LayerChoices(d_k, d_v, d_evict, table.k_tier, table.v_tier, evictable, budget, energy)

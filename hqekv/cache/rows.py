@@ -206,6 +206,17 @@ class RowStateLayer(CacheLayerMixin):
         """Every tensor a decode step reads or writes: the per-row tensors and the length."""
         return [*(t for part in self.row_parts() for t in part.tensors()), self.length]
 
+    def check_fits(self, key: torch.Tensor) -> None:
+        """``ValueError`` when keys (B, Hkv, S, D) do not fit this initialized layer's rows,
+        KV heads and head dim."""
+        if self.is_initialized and (
+            key.shape[0] != self.batch_size or key.shape[1] != self.num_kv_heads or key.shape[3] != self.head_dim
+        ):
+            raise ValueError(
+                f"keys of shape {tuple(key.shape)} do not fit a cache of {self.batch_size} rows, "
+                f"{self.num_kv_heads} KV heads, head dim {self.head_dim}"
+            )
+
     def pin(self) -> None:
         """Mark :meth:`decode_tensors` as static addresses (a static layer, after it stored an
         input or its storage grew)."""

@@ -154,13 +154,7 @@ class SlidingWindowLayer(RowStateLayer):
         b, _, s, _ = key.shape
         if new_valid is None:
             new_valid = torch.ones(b, s, dtype=torch.bool, device=key.device)
-        if self.is_initialized and (
-            key.shape[0] != self.batch_size or key.shape[1] != self.num_kv_heads or key.shape[3] != self.head_dim
-        ):
-            raise ValueError(
-                f"keys of shape {tuple(key.shape)} do not fit a cache of {self.batch_size} rows, "
-                f"{self.num_kv_heads} KV heads, head dim {self.head_dim}"
-            )
+        self.check_fits(key)
         if not self.is_initialized:
             self._initialize(key, value)
         if not self.has_tokens and not torch.compiler.is_compiling():
