@@ -129,9 +129,8 @@ def main(argv=None) -> dict:
             k_all = torch.cat([dense_k, new_k], 2)
             v_all = torch.cat([dense_v, new_v], 2)
             sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(q, k_all, v_all, scale=scaling, enable_gqa=True)  # noqa: E731
-            mixed = lambda: kernels.mixed_attention(  # noqa: E731
-                q, new_k, new_v, valid, pools["k"], pools["v"], tier, slot, tier, slot, tail, tail, tail_len, scaling, 32
-            )
+            cache = kernels.PackedCache(pools["k"], pools["v"], tier, slot, tier, slot, tail, tail, tail_len, 32)
+            mixed = lambda: kernels.mixed_attention(q, new_k, new_v, valid, scaling, *cache)  # noqa: E731
 
             def dequantized():
                 k = torch.cat([gather_chunks(pools["k"], tier, slot, True, 32, dtype), new_k], 2)

@@ -26,7 +26,7 @@ import torch
 from .cache import HqeKVCache
 from .config import HqeKVConfig
 from .memory import OVER_BUDGET_WARNING, MemoryReport
-from .patches import PatchedAttention, sliding_windows
+from .patches import PADDING_MASK, PatchedAttention, sliding_windows
 
 RECORD = "_hqekv_patch"
 """The attribute of a patched model that holds its :class:`PatchRecord`."""
@@ -219,7 +219,7 @@ def _compiled_decode_arguments(wrapper: _DecoderForward, args, kwargs) -> tuple[
         return None  # a prefill, or no hqekv cache: the eager step (a graph break)
     arguments[wrapper.cache_name] = cache
     n_new, batch, device = _check_inputs(wrapper.model, arguments)
-    cache.input_valid = _input_valid(arguments.get("attention_mask"), n_new)
+    arguments[PADDING_MASK] = _input_valid(arguments.get("attention_mask"), n_new)
     _decode_inputs(arguments, cache, n_new, batch, device)
     return arguments, cache, n_new
 
@@ -248,8 +248,8 @@ def _check_inputs(model, arguments: dict) -> tuple[int, int, torch.device]:
 def _decode_inputs(arguments: dict, cache: HqeKVCache, n_new: int, batch: int, device: torch.device) -> None:
     """Inputs of a forward over a cache that holds tokens, with fixed shapes.
 
-    Attention goes through ``hqekv::mixed_attention``, which masks padding with
-    ``cache.input_valid``. Positions come from the cache's length tensor and the model's own
+    Attention goes through ``hqekv::mixed_attention``, which masks padding with the mask the
+    decoder hands each attention layer (:data:`~hqekv.patches.base.PADDING_MASK`). Positions come from the cache's length tensor and the model's own
     mask is a fixed-shape placeholder, so no length reaches a compiled graph as a Python int.
     """
     if arguments.get("position_ids") is None:
@@ -282,8 +282,7 @@ def _prepare_forward(wrapper: _DecoderForward, args, kwargs) -> tuple[dict, HqeK
             "the cache leaves nothing; for another prompt pass a new cache (hqekv.new_cache(model)) or none"
         )
     n_new, batch, device = _check_inputs(model, arguments)
-    valid = _input_valid(arguments.get("attention_mask"), n_new)
-    cache.input_valid = valid
+    arguments[PADDING_MASK] = _input_valid(arguments.get("attention_mask"), n_new)
     record = getattr(model, RECORD, None)
     if record is not None:
         record.last_cache = weakref.ref(cache)

@@ -83,3 +83,35 @@ def test_generate_makes_a_static_cache_only_when_it_compiles():
     torch._dynamo.reset()
     out = greedy(model, ids, 3, return_dict_in_generate=True, compile_config=config)
     assert all(layer.capacity.keeps_addresses() for layer in hqekv.patching.output_cache(out).layers)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text", "qwen3", "phi3", "mixtral", "mistral"])
+def test_the_padding_mask_reaches_every_attention_layer_as_an_argument(family, monkeypatch):
+    """The decoder's wrapper hands each attention layer the padding mask of the new tokens
+    as an argument (through the decoder's keyword arguments), for prefill and decode, and
+    leaves nothing on the cache for the attention to read back."""
+    from hqekv.cache import HqeKVLayer, SlidingWindowLayer
+
+    from .helpers import tiny_model
+
+    model = hqekv.patch_model(tiny_model(family), ratios=hqekv.FP16_RATIOS)
+    ids = prompt(40, batch=2)
+    mask = torch.ones_like(ids)
+    mask[1, :7] = 0  # left padding of the second row
+    seen = []
+    for layer_class in (HqeKVLayer, SlidingWindowLayer):
+        original = layer_class.attend
+
+        def recording(self, query, key, value, scaling, new_valid=None, dense_attention=None, _original=original):
+            seen.append(None if new_valid is None else new_valid.clone())
+            return _original(self, query, key, value, scaling, new_valid, dense_attention)
+
+        monkeypatch.setattr(layer_class, "attend", recording)
+    out = model(input_ids=ids, attention_mask=mask, use_cache=True)
+    cache = out.past_key_values if hasattr(out, "past_key_values") else out.cache
+    layers = model.config.get_text_config().num_hidden_layers
+    assert len(seen) == layers and all(torch.equal(v, mask.bool()) for v in seen)
+    step = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], 1)
+    model(input_ids=ids[:, -1:], attention_mask=step, cache=cache, use_cache=True)
+    assert len(seen) == 2 * layers and all(torch.equal(v, torch.ones(2, 1, dtype=torch.bool)) for v in seen[layers:])
+    assert not hasattr(cache, "input_valid")

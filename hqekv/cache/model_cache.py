@@ -31,8 +31,6 @@ class HqeKVCache(Cache):
     ``sliding_windows`` is a window W gets a :class:`~hqekv.cache.sliding.SlidingWindowLayer` that
     keeps its last W − 1 tokens exactly (docs/architectures.md). Create one per request
     (``generate`` does it for a patched model); it holds all of that request's state.
-    ``input_valid`` (B, S) bool is the padding mask of the tokens of the forward in
-    progress, set by the patched model from its 2-D ``attention_mask``.
 
     ``max_length`` (tokens per row, prompt included) makes the cache *static*, for CUDA
     graphs: after the prefill each layer reserves the pool slots and table columns its
@@ -71,7 +69,6 @@ class HqeKVCache(Cache):
         super().__init__(layers=layers)
         self.config = config
         self.max_length = max_length
-        self.input_valid: torch.Tensor | None = None
 
     @property
     def hqekv_layers(self) -> list[HqeKVLayer]:

@@ -33,11 +33,14 @@ class CacheView(NamedTuple):
         """Attention of the new queries (B, Hq, S, D) over the view and the new keys/values
         (B, Hkv, S, D), causal among the new tokens, padding (``new_valid`` False) masked.
         -> (B, S, Hq, D)."""
+        return kernels.attend(query, key, value, new_valid, self.packed(), scaling)
+
+    def packed(self) -> kernels.PackedCache:
+        """The view as the attention op reads it."""
         t, tail = self.table, self.tail
-        return kernels.call(
-            kernels.mixed_attention, query, key, value, new_valid, self.pools[KEY].op_order(),
-            self.pools[VALUE].op_order(), t.k_tier, t.k_slot, t.v_tier, t.v_slot, tail.k, tail.v, tail.length,
-            scaling, self.value_group,
+        return kernels.PackedCache(
+            self.pools[KEY].op_order(), self.pools[VALUE].op_order(), t.k_tier, t.k_slot, t.v_tier, t.v_slot,
+            tail.k, tail.v, tail.length, self.value_group,
         )  # fmt: skip
 
     def _gather(self, component: str, tier: torch.Tensor, slot: torch.Tensor, dtype: torch.dtype,

@@ -7,13 +7,16 @@
 and two helpers of the dense view of a cache (eager PyTorch): :func:`gather_chunks`
 (the chunks a table references, dequantized, in table order) and :func:`cached_tokens`.
 
-``call(op, *args)`` runs an op as a graph node under ``torch.compile`` and straight to its
-implementation in eager mode. Each ``kernels/<name>.py`` holds ``<name>_reference`` (pure PyTorch: the CPU implementation
-and the test reference) beside the Triton kernel ``<name>_triton`` that CUDA tensors use;
-a CPU decode step of ``mixed_attention`` runs the fused C kernel of :mod:`.cpu` instead.
+``call(op, *args)`` (and, for ``mixed_attention``, ``attend(..., cache, scaling)`` with a
+:class:`PackedCache`) runs an op as a graph node under ``torch.compile`` and straight to its
+implementation in eager mode, as the one dispatch table :data:`~hqekv.kernels.ops.KERNELS`
+says. Each ``kernels/<name>.py`` holds ``<name>_reference`` (pure PyTorch: what a device
+without a kernel runs, and the test reference) beside the Triton kernel ``<name>_triton``
+that CUDA tensors use; a CPU decode step of ``mixed_attention`` runs the fused C kernel of
+:mod:`.mixed_attention_cpu`, registered in the table as the op's CPU implementation.
 """
 
-from .mixed_attention import cached_tokens, gather_chunks
-from .ops import call, dequantize, mixed_attention, quantize_pack
+from .mixed_attention import PackedCache, cached_tokens, gather_chunks
+from .ops import attend, call, dequantize, mixed_attention, quantize_pack
 
-__all__ = ["cached_tokens", "call", "dequantize", "gather_chunks", "mixed_attention", "quantize_pack"]
+__all__ = ["PackedCache", "attend", "cached_tokens", "call", "dequantize", "gather_chunks", "mixed_attention", "quantize_pack"]

@@ -4,15 +4,17 @@ Inputs (``B`` rows, ``Hq`` query heads, ``Hkv`` KV heads, ``S`` new tokens, chun
 
 - query (B, Hq, S, D); key, value (B, Hkv, S, D): the new tokens, after RoPE; new_valid
   (B, S) bool, False for padding. New token i sees new tokens j <= i that are valid.
-- k_pools / v_pools: the 10 pool tensors of a component, in :data:`POOL_ORDER`:
-  FP16 slots (N, Hkv, G, D), then codes/meta0/meta1 of the 4-bit, 2-bit and 1-bit pools
-  (layouts of :mod:`~hqekv.kernels.quantize_pack`). Pools may have free slots.
-- k_tier, k_slot, v_tier, v_slot (B, C) int64: the chunk table. Entry (b, c) is a kept chunk
-  at tier ``k_tier`` (0 FP16, 1 4-bit, 2 2-bit, 3 1-bit) stored in slot ``k_slot`` of that
-  tier's pool; entries with tier < 0 are empty. Every kept chunk precedes the new tokens.
-- tail_k, tail_v (B, Hkv, G, D), tail_len (B,) int64: the newest ``tail_len`` tokens in FP16.
-  The FP16 slots and the tail may be stored in a 16-bit dtype under an fp32 query; the
-  quantized tiers dequantize to the query dtype.
+- scaling: the softmax scale; cache: a :class:`PackedCache` of the layer's storage, whose fields are
+  - k_pools / v_pools: the 10 pool tensors of a component, in :data:`POOL_ORDER`:
+    FP16 slots (N, Hkv, G, D), then codes/meta0/meta1 of the 4-bit, 2-bit and 1-bit pools
+    (layouts of :mod:`~hqekv.kernels.quantize_pack`). Pools may have free slots.
+  - k_tier, k_slot, v_tier, v_slot (B, C) int64: the chunk table. Entry (b, c) is a kept chunk
+    at tier ``k_tier`` (0 FP16, 1 4-bit, 2 2-bit, 3 1-bit) stored in slot ``k_slot`` of that
+    tier's pool; entries with tier < 0 are empty. Every kept chunk precedes the new tokens.
+  - tail_k, tail_v (B, Hkv, G, D), tail_len (B,) int64: the newest ``tail_len`` tokens in FP16.
+    The FP16 slots and the tail may be stored in a 16-bit dtype under an fp32 query; the
+    quantized tiers dequantize to the query dtype.
+  - value_group: the channels of a value quantization group.
 
 -> (B, S, Hq, D) in the query dtype. A query that sees no token at all gets zeros.
 
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -48,7 +51,33 @@ def quantized_pool(pools: list[torch.Tensor], tier: int) -> tuple[torch.Tensor, 
     return pools[i], pools[i + 1], pools[i + 2]
 
 
-def check_args(query, key, value, new_valid, k_pools, v_pools, k_tier, k_slot, v_tier, v_slot, tail_k, tail_v, tail_len):
+class PackedCache(NamedTuple):
+    """A layer's storage as ``mixed_attention`` reads it: the pools of each component, the
+    chunk table, the FP16 tail and the value channel group (layouts in the module docstring).
+    The op's schema lays these fields out flat (an op takes tensors, lists and scalars);
+    every implementation takes them together."""
+
+    k_pools: list[torch.Tensor]
+    v_pools: list[torch.Tensor]
+    k_tier: torch.Tensor
+    k_slot: torch.Tensor
+    v_tier: torch.Tensor
+    v_slot: torch.Tensor
+    tail_k: torch.Tensor
+    tail_v: torch.Tensor
+    tail_len: torch.Tensor
+    value_group: int
+
+    @property
+    def chunk_size(self) -> int:
+        return self.tail_k.shape[2]
+
+    def tables(self) -> list[torch.Tensor]:
+        """k_tier, k_slot, v_tier, v_slot."""
+        return [self.k_tier, self.k_slot, self.v_tier, self.v_slot]
+
+
+def check_args(query, key, value, new_valid, cache: PackedCache) -> None:
     b, hq, s, d = query.shape
     hkv = key.shape[1]
     torch._check(query.dim() == 4 and key.dim() == 4, lambda: "query and key must be (B, H, S, D)")
@@ -56,11 +85,14 @@ def check_args(query, key, value, new_valid, k_pools, v_pools, k_tier, k_slot, v
     torch._check(key.shape[0] == b and key.shape[2] == s and key.shape[3] == d, lambda: "query and key shapes disagree")
     torch._check(hq % hkv == 0, lambda: f"{hq} query heads are not a multiple of {hkv} KV heads")
     torch._check(tuple(new_valid.shape) == (b, s), lambda: f"new_valid must be ({b}, {s}), got {tuple(new_valid.shape)}")
-    torch._check(len(k_pools) == len(POOL_ORDER) and len(v_pools) == len(POOL_ORDER), lambda: "10 pool tensors each")
-    for t in (k_tier, k_slot, v_tier, v_slot):
+    n = len(POOL_ORDER)
+    torch._check(len(cache.k_pools) == n and len(cache.v_pools) == n, lambda: f"{n} pool tensors each")
+    k_tier = cache.k_tier
+    for t in cache.tables():
         torch._check(t.shape == k_tier.shape and t.dim() == 2 and t.shape[0] == b, lambda: "chunk tables must be (B, C)")
+    tail_k, tail_v = cache.tail_k, cache.tail_v
     torch._check(tail_k.shape == tail_v.shape and tail_k.shape[:2] == (b, hkv), lambda: "tail must be (B, Hkv, G, D)")
-    torch._check(tuple(tail_len.shape) == (b,), lambda: "tail_len must be (B,)")
+    torch._check(tuple(cache.tail_len.shape) == (b,), lambda: "tail_len must be (B,)")
 
 
 def cached_tokens(kept: torch.Tensor, tail_len: torch.Tensor, g: int) -> torch.Tensor:
@@ -138,17 +170,8 @@ def mixed_attention_reference(
     key: torch.Tensor,
     value: torch.Tensor,
     new_valid: torch.Tensor,
-    k_pools: list[torch.Tensor],
-    v_pools: list[torch.Tensor],
-    k_tier: torch.Tensor,
-    k_slot: torch.Tensor,
-    v_tier: torch.Tensor,
-    v_slot: torch.Tensor,
-    tail_k: torch.Tensor,
-    tail_v: torch.Tensor,
-    tail_len: torch.Tensor,
+    cache: PackedCache,
     scaling: float,
-    value_group: int,
     *,
     strategy: str | None = None,
 ) -> torch.Tensor:
@@ -165,11 +188,10 @@ def mixed_attention_reference(
       log-sum-exp (:func:`_tiled_attention`), so that neither a dequantized copy of the
       cache nor the scores of all queries against it ever exist whole.
     """
-    check_args(query, key, value, new_valid, k_pools, v_pools, k_tier, k_slot, v_tier, v_slot, tail_k, tail_v, tail_len)
+    check_args(query, key, value, new_valid, cache)
     if strategy is None:
         strategy = "pools" if query.shape[2] == 1 else ("tiles" if query.device.type == "cpu" else "dense")
-    args = (query, key, value, new_valid, k_pools, v_pools, k_tier, k_slot, v_tier, v_slot, tail_k, tail_v, tail_len,
-            scaling, value_group)  # fmt: skip
+    args = (query, key, value, new_valid, cache, scaling)
     if strategy == "pools":
         return _pool_attention(*args)
     if strategy == "dense":
@@ -194,9 +216,8 @@ def _block_attention(query, keys, values, visible, scaling) -> tuple[torch.Tenso
 
 
 def _tiled_attention(
-    query, key, value, new_valid, k_pools, v_pools, k_tier, k_slot, v_tier, v_slot, tail_k, tail_v, tail_len,
-    scaling, value_group, tile: int = TILE_CHUNKS,
-) -> torch.Tensor:  # fmt: skip
+    query, key, value, new_valid, cache: PackedCache, scaling: float, tile: int = TILE_CHUNKS
+) -> torch.Tensor:
     """The attention of ``_dense_attention``, block by block, one KV head at a time: ``tile``
     table entries (that head's slice of them, dequantized alone, :func:`gather_chunks`),
     then the tail with the new tokens (causal, padding masked); each block's output is
@@ -205,18 +226,18 @@ def _tiled_attention(
     head's float32 accumulator and one head's tile of the cache, whatever the length of
     the cache and the number of heads."""
     b, hq, s, d = query.shape
-    hkv, g = key.shape[1], tail_k.shape[2]
+    hkv, g = key.shape[1], cache.chunk_size
     group = hq // hkv
     dtype = query.dtype
     result = query.new_empty(b, s, hq, d)
     ar = torch.arange(g, device=query.device)
-    tail_seen = (ar[None, :] < tail_len[:, None])[:, None].expand(b, s, g)
+    tail_seen = (ar[None, :] < cache.tail_len[:, None])[:, None].expand(b, s, g)
     causal = torch.ones(s, s, dtype=torch.bool, device=query.device).tril()[None] & new_valid[:, None, :]
     recent = torch.cat([tail_seen, causal], -1)
     for h in range(hkv):
         heads = slice(h * group, (h + 1) * group)
         q = query[:, heads]
-        k_head, v_head = ([p[:, h : h + 1] for p in pools] for pools in (k_pools, v_pools))
+        k_head, v_head = ([p[:, h : h + 1] for p in pools] for pools in (cache.k_pools, cache.v_pools))
         out = query.new_zeros(b, group, s, d, dtype=torch.float32)
         total = query.new_full((b, group, s), float("-inf"), dtype=torch.float32)
 
@@ -230,34 +251,31 @@ def _tiled_attention(
             out.mul_(keep[..., None]).add_(block_out.float().mul_(take[..., None]))
             total = new_total
 
-        for c0 in range(0, k_tier.shape[1], tile):
-            kt, ks, vt, vs = (t[:, c0 : c0 + tile] for t in (k_tier, k_slot, v_tier, v_slot))
+        for c0 in range(0, cache.k_tier.shape[1], tile):
+            kt, ks, vt, vs = (t[:, c0 : c0 + tile] for t in cache.tables())
             visible = (kt >= 0).repeat_interleave(g, 1)[:, None]  # (B, 1, n): every query sees the cache
             if bool(visible.any()):
                 attend(
-                    gather_chunks(k_head, kt, ks, True, value_group, dtype),
-                    gather_chunks(v_head, vt, vs, False, value_group, dtype),
+                    gather_chunks(k_head, kt, ks, True, cache.value_group, dtype),
+                    gather_chunks(v_head, vt, vs, False, cache.value_group, dtype),
                     visible,
                 )
         attend(
-            torch.cat([tail_k[:, h : h + 1].to(dtype), key[:, h : h + 1]], 2),
-            torch.cat([tail_v[:, h : h + 1].to(dtype), value[:, h : h + 1]], 2),
+            torch.cat([cache.tail_k[:, h : h + 1].to(dtype), key[:, h : h + 1]], 2),
+            torch.cat([cache.tail_v[:, h : h + 1].to(dtype), value[:, h : h + 1]], 2),
             recent,
         )  # fmt: skip
         result[:, :, heads] = out.transpose(1, 2)
     return result
 
 
-def _dense_attention(
-    query, key, value, new_valid, k_pools, v_pools, k_tier, k_slot, v_tier, v_slot, tail_k, tail_v, tail_len,
-    scaling, value_group,
-) -> torch.Tensor:  # fmt: skip
+def _dense_attention(query, key, value, new_valid, cache: PackedCache, scaling: float) -> torch.Tensor:
     """The cache dequantized into one buffer (chunks, tail), the new tokens after it, one SDPA call."""
     b, hq, s, _ = query.shape
-    g = tail_k.shape[2]
-    k_all = torch.cat([gather_chunks(k_pools, k_tier, k_slot, True, value_group, query.dtype, tail_k), key], 2)
-    v_all = torch.cat([gather_chunks(v_pools, v_tier, v_slot, False, value_group, query.dtype, tail_v), value], 2)
-    cached = cached_tokens(k_tier >= 0, tail_len, g)
+    g, group = cache.chunk_size, cache.value_group
+    k_all = torch.cat([gather_chunks(cache.k_pools, cache.k_tier, cache.k_slot, True, group, query.dtype, cache.tail_k), key], 2)
+    v_all = torch.cat([gather_chunks(cache.v_pools, cache.v_tier, cache.v_slot, False, group, query.dtype, cache.tail_v), value], 2)
+    cached = cached_tokens(cache.k_tier >= 0, cache.tail_len, g)
     causal = torch.ones(s, s, dtype=torch.bool, device=query.device).tril()[None] & new_valid[:, None, :]
     mask = torch.cat([cached[:, None].expand(b, s, -1), causal], -1)  # (B, S, N + S)
     out = torch.nn.functional.scaled_dot_product_attention(
@@ -267,10 +285,7 @@ def _dense_attention(
     return out.transpose(1, 2)
 
 
-def _pool_attention(
-    query, key, value, new_valid, k_pools, v_pools, k_tier, k_slot, v_tier, v_slot, tail_k, tail_v, tail_len,
-    scaling, value_group,
-) -> torch.Tensor:  # fmt: skip
+def _pool_attention(query, key, value, new_valid, cache: PackedCache, scaling: float) -> torch.Tensor:
     """Attention that reads the pools where they lie, never building a dequantized cache.
 
     1. logits of every key pool slot: all tiers at once as float codes under an affine map
@@ -284,7 +299,7 @@ def _pool_attention(
     whatever the tiers, and few small ops, so that decoding costs little on CPU.
     """
     b, hq, s, d = query.shape
-    hkv, g = key.shape[1], tail_k.shape[2]
+    hkv, g = key.shape[1], cache.chunk_size
     gq = hq // hkv
     r = gq * s  # query rows per sequence row and KV head
     rows = b * r
@@ -293,21 +308,21 @@ def _pool_attention(
     qh = q.transpose(0, 1).reshape(hkv, rows, d)  # (H, R', D)
 
     # 1. logits (B, H, R, Nk·G + G + S): key pool slots in pool order (fp16, 4, 2, 1 bit), then the recent tokens
-    k_sizes = _pool_sizes(k_pools)
+    k_sizes = _pool_sizes(cache.k_pools)
     nk = sum(k_sizes)
-    codes, a, c = _key_slots(k_pools, k_sizes, g, d)  # (Nk, H, D, G), (Nk, H, D) twice
+    codes, a, c = _key_slots(cache.k_pools, k_sizes, g, d)  # (Nk, H, D, G), (Nk, H, D) twice
     qa = (qh * a[:, :, None, :]).reshape(nk * hkv, rows, d)
     qc = torch.bmm(qh, c.permute(1, 2, 0)).permute(2, 0, 1).reshape(nk * hkv, rows, 1)  # q·b per slot
     slot_logits = torch.baddbmm(qc, qa, codes.reshape(nk * hkv, d, g))
     slot_logits = slot_logits.reshape(nk, hkv, b, r, g).permute(2, 1, 3, 0, 4).reshape(b, hkv, r, nk * g)
-    recent_k = torch.cat([tail_k.float(), key.float()], dim=2)  # (B, H, G + S, D)
+    recent_k = torch.cat([cache.tail_k.float(), key.float()], dim=2)  # (B, H, G + S, D)
     flat = torch.cat([slot_logits, q @ recent_k.transpose(-1, -2)], dim=-1)
 
     # 2. masks: the slots of each row's table, then its tail and, causal and without padding, the new tokens
-    kg = _global_slots(k_tier, k_slot, k_sizes)  # (B, C)
+    kg = _global_slots(cache.k_tier, cache.k_slot, k_sizes)  # (B, C)
     own = torch.zeros(b, nk + 1, dtype=torch.bool, device=dev).scatter_(1, kg, True)[:, :nk]  # (B, Nk)
     recent_ok = torch.cat(
-        [(torch.arange(g, device=dev) < tail_len[:, None])[:, None].expand(b, s, g),
+        [(torch.arange(g, device=dev) < cache.tail_len[:, None])[:, None].expand(b, s, g),
          torch.ones(s, s, dtype=torch.bool, device=dev).tril() & new_valid[:, None, :]], dim=-1,
     )  # (B, S, G + S)  # fmt: skip
     flat[..., : nk * g].view(b, hkv, r, nk, g).masked_fill_(~own[:, None, None, :, None], -torch.inf)
@@ -318,14 +333,14 @@ def _pool_attention(
     probs = torch.where(sees[:, None, None, :, None], probs.view(b, hkv, gq, s, -1), 0.0).view(b, hkv, r, -1)
 
     # 3. probabilities in value-slot order (H, R', Nv·G), then the weighted values of all pools
-    v_sizes = _pool_sizes(v_pools)
+    v_sizes = _pool_sizes(cache.v_pools)
     nv = sum(v_sizes)
-    vg = _global_slots(v_tier, v_slot, v_sizes)
+    vg = _global_slots(cache.v_tier, cache.v_slot, v_sizes)
     to_key = torch.full((b, nv + 1), nk, dtype=torch.long, device=dev).scatter_(1, vg, kg)[:, :nv]  # nk: zeros
     p_slots = torch.nn.functional.pad(probs[..., : nk * g].reshape(b, hkv, r, nk, g), (0, 0, 0, 1))  # + a zero slot
     p_v = p_slots.transpose(0, 1).gather(3, to_key[None, :, None, :, None].expand(hkv, b, r, nv, g))
-    recent_v = torch.cat([tail_v.float(), value.float()], dim=2)
-    pooled = _weighted_value_slots(p_v.reshape(hkv, rows, nv * g), v_pools, v_sizes, g, d, value_group)
+    recent_v = torch.cat([cache.tail_v.float(), value.float()], dim=2)
+    pooled = _weighted_value_slots(p_v.reshape(hkv, rows, nv * g), cache.v_pools, v_sizes, g, d, cache.value_group)
     out = probs[..., nk * g :] @ recent_v + pooled.reshape(hkv, b, r, d).transpose(0, 1)
     return out.reshape(b, hkv, gq, s, d).permute(0, 3, 1, 2, 4).reshape(b, s, hq, d).to(query.dtype)
 
@@ -560,15 +575,14 @@ def triton_fits(query: torch.Tensor, key: torch.Tensor) -> bool:
 
 
 def mixed_attention_triton(
-    query, key, value, new_valid, k_pools, v_pools, k_tier, k_slot, v_tier, v_slot, tail_k, tail_v, tail_len,
-    scaling: float, value_group: int, n_splits: int | None = None,
-) -> torch.Tensor:  # fmt: skip
+    query, key, value, new_valid, cache: PackedCache, scaling: float, n_splits: int | None = None
+) -> torch.Tensor:
     """Launch the Triton kernel (CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``)."""
     require_triton()
-    check_args(query, key, value, new_valid, k_pools, v_pools, k_tier, k_slot, v_tier, v_slot, tail_k, tail_v, tail_len)
+    check_args(query, key, value, new_valid, cache)
     b, hq, s, d = query.shape
-    hkv, g = key.shape[1], tail_k.shape[2]
-    c = k_tier.shape[1]
+    hkv, g = key.shape[1], cache.chunk_size
+    c = cache.k_tier.shape[1]
     gq = hq // hkv
     torch._check(
         triton_fits(query, key),
@@ -576,13 +590,14 @@ def mixed_attention_triton(
         f"({TRITON_MAX_ROWS}); mixed_attention_reference tiles them",
     )
     query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
-    k_pools = [t.contiguous() for t in k_pools]
-    v_pools = [t.contiguous() for t in v_pools]
+    k_pools = [t.contiguous() for t in cache.k_pools]
+    v_pools = [t.contiguous() for t in cache.v_pools]
     # the tables as they are (a cache keeps them column-major): one layout for the four
-    tables = [k_tier, k_slot, v_tier, v_slot]
-    if any(t.stride() != k_tier.stride() for t in tables):
+    tables = cache.tables()
+    if any(t.stride() != tables[0].stride() for t in tables):
         tables = [t.contiguous() for t in tables]
-    tail_k, tail_v, tail_len = tail_k.contiguous(), tail_v.contiguous(), tail_len.contiguous()
+    tail_k, tail_v, tail_len = cache.tail_k.contiguous(), cache.tail_v.contiguous(), cache.tail_len.contiguous()
+    value_group = cache.value_group
     splits = n_splits or default_splits(b, hkv, c, query.device)
     cps = max(1, math.ceil(c / splits))
     splits = max(1, math.ceil(c / cps)) if c else 1

@@ -34,7 +34,7 @@ import torch
 from ..quantization import normal_tables
 from ..user_cache import cache_dir
 from ..tiers import QUANTIZED_TIERS, TIER_FORMATS
-from .mixed_attention import check_args
+from .mixed_attention import PackedCache, check_args
 from .quantize_pack import packed_shapes
 
 ENABLED = os.environ.get("HQEKV_CPU_KERNEL", "1") != "0"
@@ -148,15 +148,16 @@ def _centres() -> torch.Tensor:
     return normal_tables(1)[1].contiguous()
 
 
-def supports(query, k_pools, v_pools, tail_k, tail_v) -> bool:
+def supports(query: torch.Tensor, cache: PackedCache) -> bool:
     """Whether the kernel takes these inputs: CPU tensors in float32/float16/bfloat16, the
     FP16 pools in the tail's dtype and all metadata in one dtype (else the reference runs)."""
-    meta = {m.dtype for pools in (k_pools, v_pools) for m in pools[2::3] + pools[3::3]}
+    meta = {m.dtype for pools in (cache.k_pools, cache.v_pools) for m in pools[2::3] + pools[3::3]}
+    tail_dtype = cache.tail_k.dtype
     return (
         query.device.type == "cpu"
         and query.dtype in DTYPES
-        and tail_k.dtype in DTYPES
-        and tail_v.dtype == tail_k.dtype == k_pools[0].dtype == v_pools[0].dtype
+        and tail_dtype in DTYPES
+        and cache.tail_v.dtype == tail_dtype == cache.k_pools[0].dtype == cache.v_pools[0].dtype
         and len(meta) == 1
         and meta <= DTYPES.keys()
     )
@@ -176,19 +177,17 @@ def _check_pools(pools: list[torch.Tensor], per_channel: bool, h: int, g: int, d
             raise ValueError(f"tier {t} metadata of shapes {tuple(m0.shape)}, {tuple(m1.shape)}, expected {want_meta}")
 
 
-def mixed_attention_cpu(
-    query, key, value, new_valid, k_pools, v_pools, k_tier, k_slot, v_tier, v_slot, tail_k, tail_v, tail_len,
-    scaling: float, value_group: int,
-) -> torch.Tensor:  # fmt: skip
+def mixed_attention_cpu(query, key, value, new_valid, cache: PackedCache, scaling: float) -> torch.Tensor:
     """The op on CPU tensors through the C kernel -> (B, S, Hq, D) in the query dtype."""
     lib = library()
     if lib is None:
         raise RuntimeError(available()[1])
-    check_args(query, key, value, new_valid, k_pools, v_pools, k_tier, k_slot, v_tier, v_slot, tail_k, tail_v, tail_len)
+    check_args(query, key, value, new_valid, cache)
     b, hq, s, d = query.shape
-    hkv, g = key.shape[1], tail_k.shape[2]
-    c = k_tier.shape[1]
-    if not supports(query, k_pools, v_pools, tail_k, tail_v):
+    hkv, g = key.shape[1], cache.chunk_size
+    c = cache.k_tier.shape[1]
+    k_pools, v_pools, value_group = cache.k_pools, cache.v_pools, cache.value_group
+    if not supports(query, cache):
         raise ValueError("the C kernel takes CPU tensors in float32/float16/bfloat16, FP16 pools in the tail's "
                          "dtype and all metadata in one dtype")  # fmt: skip
     if not 1 <= value_group <= d:
@@ -199,12 +198,12 @@ def mixed_attention_cpu(
     keep = [
         query.float().contiguous(), key.float().contiguous(), value.float().contiguous(),
         new_valid.to(torch.uint8).contiguous(),
-        *(t.to(torch.int64).contiguous() for t in (k_tier, k_slot, v_tier, v_slot)),
-        tail_k.contiguous(), tail_v.contiguous(), tail_len.to(torch.int64).contiguous(),
+        *(t.to(torch.int64).contiguous() for t in cache.tables()),
+        cache.tail_k.contiguous(), cache.tail_v.contiguous(), cache.tail_len.to(torch.int64).contiguous(),
         _centres(),
         *(t.contiguous() for t in k_pools), *(t.contiguous() for t in v_pools),
     ]  # fmt: skip
-    sizes = [b, hq, hkv, s, d, g, c, value_group, DTYPES[tail_k.dtype], DTYPES[meta_dtype], DTYPES[query.dtype]]
+    sizes = [b, hq, hkv, s, d, g, c, value_group, DTYPES[cache.tail_k.dtype], DTYPES[meta_dtype], DTYPES[query.dtype]]
     sizes += [TIER_FORMATS[t][0] for t in QUANTIZED_TIERS] + [int(TIER_FORMATS[t][1]) for t in QUANTIZED_TIERS]
     for pools in (k_pools, v_pools):
         sizes += [pools[0].shape[0]] + [pools[1 + 3 * i].shape[0] for i in range(len(QUANTIZED_TIERS))]

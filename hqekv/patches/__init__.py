@@ -12,7 +12,7 @@ import importlib
 from dataclasses import dataclass
 from typing import Callable
 
-from .base import make_attention_forward, sliding_windows
+from .base import PADDING_MASK, make_attention_forward, sliding_windows
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,12 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ..cache import HqeKVCache
 
+PADDING_MASK = "hqekv_new_valid"
+"""The keyword under which the patched decoder hands every attention layer the padding mask
+of the forward's new tokens, (B, S) bool, False for padding: transformers passes a decoder's
+extra keyword arguments down to its attention modules, and the patched attention takes it
+out before anything else sees it."""
+
 Projector = Callable[[torch.nn.Module, torch.Tensor, tuple[torch.Tensor, torch.Tensor]], tuple]
 
 
@@ -58,6 +64,7 @@ def make_attention_forward(project: Projector, eager_fallback: Callable):
         **kwargs,
     ):
         cache = cache if cache is not None else past_key_values
+        new_valid = kwargs.pop(PADDING_MASK, None)
         if cache is None:
             # No cache requested (use_cache=False): nothing to compress, the original forward is exact.
             return type(self).forward(
@@ -80,7 +87,7 @@ def make_attention_forward(project: Projector, eager_fallback: Callable):
             )
             return out
 
-        out = layer.attend(query, key, value, self.scaling, cache.input_valid, dense_attention)
+        out = layer.attend(query, key, value, self.scaling, new_valid, dense_attention)
         out = out.reshape(*input_shape, -1).contiguous()
         return self.o_proj(out), None
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from hqekv.tiers import QUANTIZED_TIERS, TIER_FORMATS
+from hqekv.kernels.mixed_attention import PackedCache
 from hqekv.kernels.quantize_pack import quantize_pack_reference
 
 
@@ -13,7 +14,8 @@ def random_mixed_cache(
     dtype=torch.float32, tiers=(0, 1, 2, 3), empty_every: int = 0, seed: int = 0, device="cpu", quantize=None,
     fp_dtype=None,
 ) -> dict:  # fmt: skip
-    """Keyword arguments of ``mixed_attention`` with ``n_chunks`` table entries per row.
+    """The inputs of ``mixed_attention`` by name, the cache's fields laid out flat (so that a
+    test can replace one; :func:`packed` gathers them), with ``n_chunks`` table entries per row.
 
     Each row's chunks get tiers drawn from ``tiers`` (K and V independently); every
     ``empty_every``-th entry is left empty (-1). Pools hold the chunks in shuffled slots plus
@@ -58,3 +60,17 @@ def random_mixed_cache(
         tail_k=randn(b, hkv, g, d).to(fp_dtype or dtype), tail_v=randn(b, hkv, g, d).to(fp_dtype or dtype), tail_len=tail_len,
         scaling=d**-0.5, value_group=value_group,
     )  # fmt: skip
+
+
+def packed(args: dict) -> dict:
+    """Keyword arguments of the ``mixed_attention`` implementations: the new tokens, the
+    cache's fields of ``args`` as one :class:`PackedCache`, and the scaling."""
+    cache = PackedCache(*(args[name] for name in PackedCache._fields))
+    return dict(query=args["query"], key=args["key"], value=args["value"], new_valid=args["new_valid"], cache=cache,
+                scaling=args["scaling"])  # fmt: skip
+
+
+def op_arguments(args: dict) -> tuple:
+    """The arguments of the ``hqekv::mixed_attention`` op, in its schema's order."""
+    p = packed(args)
+    return (p["query"], p["key"], p["value"], p["new_valid"], p["scaling"], *p["cache"])

@@ -19,7 +19,7 @@ from hqekv import kernels
 from hqekv.kernels import mixed_attention_cpu as cpu, ops
 from hqekv.kernels.mixed_attention import mixed_attention_reference
 
-from .random_cache import random_mixed_cache
+from .random_cache import op_arguments, packed, random_mixed_cache
 
 ATTENTION_TOL = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 SHAPES = {
@@ -46,8 +46,8 @@ def test_the_kernel_builds_where_a_c_compiler_is_found():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_fused_cpu_attention_equals_reference(name, dtype):
     args = random_mixed_cache(dtype=dtype, **SHAPES[name])
-    expected = mixed_attention_reference(**args, strategy="dense")
-    got = cpu.mixed_attention_cpu(**args)
+    expected = mixed_attention_reference(**packed(args), strategy="dense")
+    got = cpu.mixed_attention_cpu(**packed(args))
     assert got.shape == expected.shape and got.dtype == expected.dtype
     torch.testing.assert_close(got.float(), expected.float(), atol=ATTENTION_TOL[dtype] * expected.abs().max().item(), rtol=0)
 
@@ -56,8 +56,8 @@ def test_fused_cpu_attention_equals_reference(name, dtype):
 @pytest.mark.parametrize("fp_dtype", [torch.float16, torch.bfloat16])
 def test_fused_cpu_attention_reads_16_bit_full_precision_parts_under_fp32_queries(fp_dtype):
     args = random_mixed_cache(dtype=torch.float32, fp_dtype=fp_dtype, **SHAPES["smollm2-decode"])
-    expected = mixed_attention_reference(**args, strategy="dense")
-    got = cpu.mixed_attention_cpu(**args)
+    expected = mixed_attention_reference(**packed(args), strategy="dense")
+    got = cpu.mixed_attention_cpu(**packed(args))
     torch.testing.assert_close(got, expected, atol=2e-5 * expected.abs().max().item(), rtol=0)
 
 
@@ -65,14 +65,14 @@ def test_fused_cpu_attention_reads_16_bit_full_precision_parts_under_fp32_querie
 def test_fused_cpu_attention_query_that_sees_nothing_gets_zeros_and_a_nan_key_propagates():
     args = random_mixed_cache(b=1, hq=2, hkv=1, s=2, d=16, n_chunks=0, value_group=16)
     args["tail_len"] = torch.zeros(1, dtype=torch.long)  # empty cache; new token 0 is padding
-    out = cpu.mixed_attention_cpu(**args)
+    out = cpu.mixed_attention_cpu(**packed(args))
     assert torch.equal(out[0, 0], torch.zeros_like(out[0, 0]))
-    torch.testing.assert_close(out, mixed_attention_reference(**args, strategy="dense"), atol=1e-5, rtol=0)
+    torch.testing.assert_close(out, mixed_attention_reference(**packed(args), strategy="dense"), atol=1e-5, rtol=0)
 
     args = random_mixed_cache(**SHAPES["decode"])
     args["tail_k"][1, 0, 0, 3] = float("nan")
     args["tail_len"][1] = max(int(args["tail_len"][1]), 1)
-    out = cpu.mixed_attention_cpu(**args)
+    out = cpu.mixed_attention_cpu(**packed(args))
     assert out[1, :, :2].isnan().all()  # query heads of KV head 0 see the NaN key
     assert torch.isfinite(out[0]).all() and torch.isfinite(out[1, :, 2:]).all()
 
@@ -83,11 +83,11 @@ def test_fused_cpu_attention_refuses_a_table_that_names_a_missing_slot():
     args["k_slot"][0, 0] = args["k_pools"][0].shape[0] + 100
     args["k_tier"][0, 0] = 0
     with pytest.raises(ValueError, match="tier or slot"):
-        cpu.mixed_attention_cpu(**args)
+        cpu.mixed_attention_cpu(**packed(args))
     args = random_mixed_cache(**SHAPES["decode"])
     args["tail_len"][0] = 33
     with pytest.raises(ValueError, match="tail length"):
-        cpu.mixed_attention_cpu(**args)
+        cpu.mixed_attention_cpu(**packed(args))
 
 
 @needs_kernel
@@ -97,9 +97,9 @@ def test_a_cpu_decode_step_runs_the_fused_kernel_and_a_longer_input_the_referenc
     monkeypatch.setattr(cpu, "mixed_attention_cpu", lambda *a: calls.append(a[0].shape[2]) or fused(*a))
     for name in ("smollm2-decode", "one-kv-head"):
         args = random_mixed_cache(**SHAPES[name])
-        out = kernels.call(kernels.mixed_attention, *args.values())
-        torch.testing.assert_close(out, mixed_attention_reference(**args), atol=2e-5 * out.abs().max().item(), rtol=0)
-        assert torch.equal(torch.ops.hqekv.mixed_attention(*args.values()), out)  # the op node runs the same
+        out = kernels.attend(**packed(args))
+        torch.testing.assert_close(out, mixed_attention_reference(**packed(args)), atol=2e-5 * out.abs().max().item(), rtol=0)
+        assert torch.equal(torch.ops.hqekv.mixed_attention(*op_arguments(args)), out)  # the op node runs the same
     assert calls == [1, 1]  # s = 2 went to the reference
 
 
@@ -107,16 +107,16 @@ def test_without_a_compiler_the_op_warns_once_and_answers_with_the_reference(tmp
     script = """
 import warnings, torch
 from hqekv.kernels import mixed_attention_cpu as cpu, ops
-from tests.kernels.random_cache import random_mixed_cache
+from tests.kernels.random_cache import packed, random_mixed_cache
 from hqekv.kernels.mixed_attention import mixed_attention_reference
 args = random_mixed_cache(b=1, hq=2, hkv=1, s=1, d=16, n_chunks=3, value_group=16)
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
-    first = ops.mixed_attention_default(*args.values())
-    ops.mixed_attention_default(*args.values())
+    first = ops.mixed_attention_on_cpu(**packed(args))
+    ops.mixed_attention_on_cpu(**packed(args))
 assert not cpu.available()[0] and "could not be built" in cpu.available()[1], cpu.available()
 assert len(caught) == 1 and "reference" in str(caught[0].message), [str(w.message) for w in caught]
-assert torch.equal(first, mixed_attention_reference(**args))
+assert torch.equal(first, mixed_attention_reference(**packed(args)))
 """
     env = dict(os.environ, CC=str(tmp_path / "no-such-compiler"), HQEKV_CACHE=str(tmp_path / "cache"))
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -131,12 +131,12 @@ def test_a_kernel_library_cut_short_in_the_cache_is_built_again_not_loaded(tmp_p
     script = """
 import torch
 from hqekv.kernels import mixed_attention_cpu as cpu, ops
-from tests.kernels.random_cache import random_mixed_cache
+from tests.kernels.random_cache import packed, random_mixed_cache
 from hqekv.kernels.mixed_attention import mixed_attention_reference
 assert cpu.available()[0], cpu.available()
 args = random_mixed_cache(b=1, hq=2, hkv=1, s=1, d=16, n_chunks=3, value_group=16)
-out = ops.mixed_attention_default(*args.values())
-torch.testing.assert_close(out, mixed_attention_reference(**args), atol=1e-5, rtol=0)
+out = ops.mixed_attention_on_cpu(**packed(args))
+torch.testing.assert_close(out, mixed_attention_reference(**packed(args)), atol=1e-5, rtol=0)
 """
     env = dict(os.environ, HQEKV_CACHE=str(tmp_path / "cache"))
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -166,12 +166,12 @@ def test_hqekv_cpu_kernel_0_turns_the_kernel_off():
 @needs_kernel
 def test_fused_cpu_attention_shared_among_threads_equals_one_thread(monkeypatch):
     args = random_mixed_cache(**SHAPES["decode"])  # 2 rows × 2 KV heads
-    one = cpu.mixed_attention_cpu(**args)
+    one = cpu.mixed_attention_cpu(**packed(args))
     monkeypatch.setattr(cpu, "WORK_PER_THREAD", 1)
     threads = torch.get_num_threads()
     torch.set_num_threads(3)  # 4 pairs over 3 threads: uneven shares
     try:
-        shared = cpu.mixed_attention_cpu(**args)
+        shared = cpu.mixed_attention_cpu(**packed(args))
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(shared, one)
@@ -182,21 +182,21 @@ def test_fused_cpu_attention_refuses_pools_of_the_wrong_shape_before_reading_the
     args = random_mixed_cache(**SHAPES["smollm2-decode"])
     args["v_pools"][1] = args["v_pools"][1][..., :-1]  # 4-bit value codes one word short
     with pytest.raises(ValueError, match="tier 1 codes"):
-        cpu.mixed_attention_cpu(**args)
+        cpu.mixed_attention_cpu(**packed(args))
     args = random_mixed_cache(**SHAPES["smollm2-decode"])
     with pytest.raises(ValueError, match="value group 0"):
-        cpu.mixed_attention_cpu(**dict(args, value_group=0))
+        cpu.mixed_attention_cpu(**packed(dict(args, value_group=0)))
     args["k_pools"][0] = args["k_pools"][0][:, :, :16]  # FP16 key chunks of 16 tokens under a tail of 32
     with pytest.raises(ValueError, match="FP16 pool"):
-        cpu.mixed_attention_cpu(**args)
+        cpu.mixed_attention_cpu(**packed(args))
 
 
 @needs_kernel
 def test_inputs_the_kernel_does_not_take_go_to_the_reference():
     args = random_mixed_cache(**SHAPES["decode"])
     args["v_pools"][0] = args["v_pools"][0].to(torch.bfloat16)  # value FP16 pool in another dtype than the tail
-    assert not cpu.supports(args["query"], args["k_pools"], args["v_pools"], args["tail_k"], args["tail_v"])
-    out = ops.mixed_attention_default(*args.values())
-    assert torch.equal(out, mixed_attention_reference(**args))
+    assert not cpu.supports(args["query"], packed(args)["cache"])
+    out = ops.mixed_attention_on_cpu(**packed(args))
+    assert torch.equal(out, mixed_attention_reference(**packed(args)))
     with pytest.raises(ValueError, match="C kernel takes"):
-        cpu.mixed_attention_cpu(**args)
+        cpu.mixed_attention_cpu(**packed(args))

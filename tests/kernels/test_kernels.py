@@ -21,7 +21,7 @@ from hqekv.kernels.dequantize import dequantize_reference, dequantize_triton
 from hqekv.kernels.mixed_attention import _tiled_attention, mixed_attention_reference, mixed_attention_triton
 from hqekv.kernels.quantize_pack import quantize_pack_reference, quantize_pack_triton
 
-from .random_cache import random_mixed_cache
+from .random_cache import op_arguments, packed, random_mixed_cache
 
 pytestmark = pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
 
@@ -111,14 +111,14 @@ MIXED_SHAPES = {
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_mixed_attention_kernel_equals_reference(name, dtype):
     args = random_mixed_cache(dtype=dtype, **MIXED_SHAPES[name])
-    expected = mixed_attention_reference(**args, strategy="pools")
-    torch.testing.assert_close(mixed_attention_reference(**args, strategy="dense").float(), expected.float(),
+    expected = mixed_attention_reference(**packed(args), strategy="pools")
+    torch.testing.assert_close(mixed_attention_reference(**packed(args), strategy="dense").float(), expected.float(),
                                atol=ATTENTION_TOL[dtype] * expected.abs().max().item(), rtol=0)  # fmt: skip
     on_device = to_device(args)
     tol = ATTENTION_TOL[dtype]
     scale = expected.abs().max().item()
     for splits in (1, 2):
-        got = mixed_attention_triton(**on_device, n_splits=splits).cpu()
+        got = mixed_attention_triton(**packed(on_device), n_splits=splits).cpu()
         assert got.shape == expected.shape and got.dtype == expected.dtype
         torch.testing.assert_close(got.float(), expected.float(), atol=tol * scale, rtol=0)
 
@@ -131,13 +131,13 @@ def test_mixed_attention_fp32_queries_over_16_bit_full_precision_parts(fp_dtype)
     widened = dict(args, k_pools=[args["k_pools"][0].float(), *args["k_pools"][1:]],
                    v_pools=[args["v_pools"][0].float(), *args["v_pools"][1:]],
                    tail_k=args["tail_k"].float(), tail_v=args["tail_v"].float())  # fmt: skip
-    expected = mixed_attention_reference(**widened, strategy="dense")
+    expected = mixed_attention_reference(**packed(widened), strategy="dense")
     assert expected.dtype == torch.float32
     scale = expected.abs().max().item()
     for strategy in ("pools", "dense"):
-        torch.testing.assert_close(mixed_attention_reference(**args, strategy=strategy), expected, atol=2e-5 * scale, rtol=0)
+        torch.testing.assert_close(mixed_attention_reference(**packed(args), strategy=strategy), expected, atol=2e-5 * scale, rtol=0)
     on_device = to_device(args)
-    got = mixed_attention_triton(**on_device).cpu()
+    got = mixed_attention_triton(**packed(on_device)).cpu()
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, expected, atol=ATTENTION_TOL[torch.float32] * scale, rtol=0)
 
@@ -146,11 +146,11 @@ def test_mixed_attention_fp32_queries_over_16_bit_full_precision_parts(fp_dtype)
 def test_mixed_attention_strategies_agree(name):
     """Reading pools per tier and attending over a dense dequantized copy give the same output."""
     args = random_mixed_cache(dtype=torch.float32, **MIXED_SHAPES[name])
-    pools = mixed_attention_reference(**args, strategy="pools")
-    dense = mixed_attention_reference(**args, strategy="dense")
+    pools = mixed_attention_reference(**packed(args), strategy="pools")
+    dense = mixed_attention_reference(**packed(args), strategy="dense")
     torch.testing.assert_close(pools, dense, atol=2e-5, rtol=1e-5)
     for tile in (1, 2, 64):  # tiles of the table merged by log-sum-exp: one block or several
-        tiled = _tiled_attention(*args.values(), tile=tile)
+        tiled = _tiled_attention(**packed(args), tile=tile)
         torch.testing.assert_close(tiled, dense, atol=2e-5, rtol=1e-5)
 
 
@@ -159,8 +159,8 @@ def test_tiled_attention_of_a_prompt_chunk_matches_the_dense_copy_in_16_bits(dty
     """A prompt chunk of many queries over a long table, with padding, in the model's dtype."""
     args = random_mixed_cache(dtype=dtype, b=2, hq=8, hkv=2, s=40, d=32, n_chunks=9, value_group=32, empty_every=4)
     args["new_valid"][1, :13] = False  # left padding of the second row
-    dense = mixed_attention_reference(**args, strategy="dense")
-    tiled = mixed_attention_reference(**args, strategy="tiles")
+    dense = mixed_attention_reference(**packed(args), strategy="dense")
+    tiled = mixed_attention_reference(**packed(args), strategy="tiles")
     scale = dense.abs().max().item()
     torch.testing.assert_close(tiled.float(), dense.float(), atol=ATTENTION_TOL[dtype] * scale, rtol=0)
 
@@ -168,13 +168,13 @@ def test_tiled_attention_of_a_prompt_chunk_matches_the_dense_copy_in_16_bits(dty
 def test_mixed_attention_query_that_sees_nothing_gets_zeros():
     args = random_mixed_cache(b=1, hq=2, hkv=1, s=2, d=16, n_chunks=0, value_group=16)
     args["tail_len"] = torch.zeros(1, dtype=torch.long)  # empty cache; new token 0 is padding
-    expected = mixed_attention_reference(**args, strategy="pools")
+    expected = mixed_attention_reference(**packed(args), strategy="pools")
     assert torch.equal(expected[0, 0], torch.zeros_like(expected[0, 0]))
     assert torch.isfinite(expected).all()
-    assert torch.equal(mixed_attention_reference(**args, strategy="dense")[0, 0], expected[0, 0])
-    assert torch.equal(mixed_attention_reference(**args, strategy="tiles")[0, 0], expected[0, 0])
+    assert torch.equal(mixed_attention_reference(**packed(args), strategy="dense")[0, 0], expected[0, 0])
+    assert torch.equal(mixed_attention_reference(**packed(args), strategy="tiles")[0, 0], expected[0, 0])
     on_device = to_device(args)
-    got = mixed_attention_triton(**on_device).cpu()
+    got = mixed_attention_triton(**packed(on_device)).cpu()
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
 
 
@@ -183,7 +183,7 @@ def test_mixed_attention_matches_dense_attention_when_every_chunk_is_fp16(strate
     """All-FP16 tables: the op is plain causal attention over the concatenated tokens."""
     args = random_mixed_cache(b=2, hq=4, hkv=2, s=3, d=16, n_chunks=3, value_group=16, tiers=(0,))
     args["new_valid"][:] = True
-    out = mixed_attention_reference(**args, strategy=strategy)
+    out = mixed_attention_reference(**packed(args), strategy=strategy)
     fp_k, fp_v = args["k_pools"][0], args["v_pools"][0]
     for row in range(2):
         n_tail = int(args["tail_len"][row])
@@ -207,7 +207,7 @@ def op_args():
     return {
         "quantize_pack": (kernels.quantize_pack, (x, 4, False, True, 32, torch.float16)),
         "dequantize": (kernels.dequantize, (*packed, 1, True, False, 32, 32, 48, torch.float32)),
-        "mixed_attention": (kernels.mixed_attention, tuple(mixed.values())),
+        "mixed_attention": (kernels.mixed_attention, op_arguments(mixed)),
     }
 
 
@@ -243,7 +243,7 @@ def test_bad_arguments_get_clear_errors():
         kernels.dequantize(codes, m0, m1, 2, False, True, 32, 32, 64, torch.float32)
     args = random_mixed_cache(b=1, hq=3, hkv=2, s=1, d=16, n_chunks=1, value_group=16)
     with pytest.raises(RuntimeError, match="not a multiple"):
-        kernels.mixed_attention(*args.values())
+        kernels.mixed_attention(*op_arguments(args))
 
 
 def test_hqekv_triton_0_keeps_cuda_on_the_references():
@@ -253,9 +253,9 @@ def test_hqekv_triton_0_keeps_cuda_on_the_references():
     assert out.stdout.strip() == "False"
 
 
-def test_call_runs_the_same_implementation_as_the_op():
-    op, args = op_args()["mixed_attention"]
-    assert torch.equal(kernels.call(op, *args), op(*args))
+def test_attend_and_call_run_the_same_implementation_as_the_op():
+    mixed = random_mixed_cache(b=2, hq=4, hkv=2, s=1, d=16, n_chunks=3, value_group=16)
+    assert torch.equal(kernels.attend(**packed(mixed)), kernels.mixed_attention(*op_arguments(mixed)))
     op, args = op_args()["quantize_pack"]
     assert all(torch.equal(a, b) for a, b in zip(kernels.call(op, *args), op(*args)))
 
@@ -273,12 +273,12 @@ def test_rotated_inputs_kernel_equals_reference_and_fp16_output_is_the_rotated_o
                    tail_k=rotate(args["tail_k"], r), tail_v=rotate(args["tail_v"], r),
                    k_pools=[rotate(args["k_pools"][0], r), *args["k_pools"][1:]],
                    v_pools=[rotate(args["v_pools"][0], r), *args["v_pools"][1:]])  # fmt: skip
-    expected = mixed_attention_reference(**rotated, strategy="pools")
+    expected = mixed_attention_reference(**packed(rotated), strategy="pools")
     scale = expected.abs().max().item()
-    got = mixed_attention_triton(**to_device(rotated)).cpu()
+    got = mixed_attention_triton(**packed(to_device(rotated))).cpu()
     torch.testing.assert_close(got, expected, atol=ATTENTION_TOL[torch.float32] * scale, rtol=0)
     if tiers == (0,):
-        plain = mixed_attention_reference(**args, strategy="pools")
+        plain = mixed_attention_reference(**packed(args), strategy="pools")
         torch.testing.assert_close(unrotate(expected, r), plain, atol=1e-5 * scale, rtol=0)
 
 
@@ -292,10 +292,10 @@ def test_a_prompt_chunk_runs_the_tiled_attention_and_the_kernel_refuses_it():
     s = TRITON_MAX_ROWS // 2 + 1  # two query heads per KV head: just over the limit
     args = random_mixed_cache(dtype=torch.float32, b=1, hq=4, hkv=2, s=s, d=16, n_chunks=3, value_group=16)
     assert not triton_fits(args["query"], args["key"])
-    expected = mixed_attention_reference(**args)
-    torch.testing.assert_close(mixed_attention_cuda(*args.values()), expected, atol=0, rtol=0)
+    expected = mixed_attention_reference(**packed(args))
+    torch.testing.assert_close(mixed_attention_cuda(**packed(args)), expected, atol=0, rtol=0)
     with pytest.raises(RuntimeError, match="more rows than the Triton kernel holds"):
-        mixed_attention_triton(**args)
+        mixed_attention_triton(**packed(args))
     decode = random_mixed_cache(dtype=torch.float32, b=1, hq=4, hkv=2, s=TRITON_MAX_ROWS // 2, d=16, n_chunks=3, value_group=16)
     assert triton_fits(decode["query"], decode["key"])
 
@@ -304,10 +304,24 @@ def test_the_kernel_reads_column_major_tables_as_a_cache_keeps_them():
     """A cache keeps its chunk tables column-major (their width in no stride, for compiled
     steps); the kernel reads them in place, with the same result as contiguous tables."""
     args = random_mixed_cache(dtype=torch.float32, device=DEVICE, **MIXED_SHAPES["decode"])
-    expected = mixed_attention_reference(**args)
+    expected = mixed_attention_reference(**packed(args))
     for name in ("k_tier", "k_slot", "v_tier", "v_slot"):
         t = args[name]
         args[name] = torch.empty_strided(t.shape, (1, t.shape[0]), dtype=t.dtype, device=t.device).copy_(t)
         assert not args[name].is_contiguous()
-    got = mixed_attention_triton(**args)
+    got = mixed_attention_triton(**packed(args))
     torch.testing.assert_close(got, expected, atol=ATTENTION_TOL[torch.float32] * expected.abs().max().item(), rtol=0)
+
+
+def test_the_ops_are_registered_from_the_one_dispatch_table():
+    """Each device's implementation in ``KERNELS`` is the one the op runs there, and a
+    device without one runs the reference."""
+    from hqekv.kernels import ops
+
+    cpu = torch.device("cpu")
+    assert ops.implementation(kernels.mixed_attention, cpu) is ops.mixed_attention_on_cpu
+    assert ops.implementation(kernels.quantize_pack, cpu) is quantize_pack_reference
+    assert ops.implementation(kernels.mixed_attention, torch.device("meta")) is mixed_attention_reference
+    for op, table in ops.KERNELS.items():
+        for device in table:
+            assert torch._C._dispatch_has_kernel_for_dispatch_key(op._qualname, device.upper()), (op._qualname, device)

@@ -3,7 +3,7 @@
  * chunk tile at a time, then over the FP16 tail and the new tokens. No dequantized copy of
  * the cache is built and nothing goes back to Python between tiers.
  *
- * The Python side (hqekv/kernels/cpu.py) passes contiguous tensors and fills two arrays
+ * The Python side (hqekv/kernels/mixed_attention_cpu.py) passes contiguous tensors and fills two arrays
  * indexed by the P_* and A_* names it defines (prepended to this file at build time):
  * data pointers and int64 sizes. The (row, KV head) pairs are shared among A_THREADS
  * threads. Semantics are those of the reference (mixed_attention_reference): each cached
