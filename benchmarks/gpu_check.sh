@@ -33,7 +33,7 @@ status=0
 # Spread over 8 workers where pytest-xdist is installed: most of the time is Triton and
 # inductor compiling, which runs on the CPU.
 workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8" || true)
-timeout 120 python3 -m pytest -q -p no:cacheprovider $workers tests/kernels tests/test_compile.py tests/test_static.py -k "not smollm2" 2>&1 \
+timeout 120 python3 -m pytest -q -p no:cacheprovider $workers tests/kernels tests/test_compile.py tests/cache/test_static.py -k "not smollm2" 2>&1 \
   | tee "$out/gpu_tests.log" || status=1
 timeout 60 python3 benchmarks/attention_kernels.py --out "$out/gpu_kernels.json" || status=1
 timeout 150 python3 benchmarks/decode_random.py --shape llama3-8b --lengths 8192 --bavg 3.2 \

@@ -172,6 +172,15 @@ def test_the_architecture_page_names_every_part_of_the_cache():
     assert not absent, f"docs/architecture.md names files that do not exist: {absent}"
 
 
+def test_the_tests_mirror_the_package():
+    """A test folder for each of hqekv's packages, and none for anything else."""
+    packages = {p.parent.name for p in PACKAGE.glob("*/__init__.py")}
+    folders = {p.parent.name for p in (ROOT / "tests").glob("*/__init__.py")}
+    assert folders == packages, f"test folders {sorted(folders)} against packages {sorted(packages)}"
+    loose = [p.name for p in (ROOT / "tests").rglob("*.py") if p.parent.name not in folders | {"tests"}]
+    assert not loose, f"test files outside the mirrored folders: {loose}"
+
+
 def test_no_test_file_imports_another():
     """Tests share code through tests/helpers.py (and fixtures through conftest.py), never by
     importing another test file."""

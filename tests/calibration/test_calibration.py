@@ -20,7 +20,7 @@ from hqekv.calibration import (
     search_box,
 )
 
-from .helpers import CharTokenizer, tiny_llama, tiny_objective
+from ..helpers import CharTokenizer, tiny_llama, tiny_objective
 
 
 @pytest.mark.parametrize("bavg", [0.5, 1.0, 2.0, 2.8, 3.2, 3.25, 3.9])

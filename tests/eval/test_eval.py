@@ -247,7 +247,7 @@ def test_a_method_the_model_cannot_take_fails_before_any_sample_runs():
     run stops before fp16's samples, naming the method, instead of after them."""
     from hqekv.eval.runner import check_methods
 
-    from .helpers import tiny_model
+    from ..helpers import tiny_model
 
     model = tiny_model("gemma3_text")
     check_methods(model, [parse_method(m) for m in ("fp16", "hqekv:2", "evict:2")])
@@ -281,7 +281,7 @@ def test_hqekv_eval_keeps_each_finished_record_on_disk_when_a_run_dies(tmp_path,
 
     from hqekv.eval.tasks import Sample
 
-    from .helpers import tiny_llama
+    from ..helpers import tiny_llama
 
     class Dies:  # the second sample's run fails, as a crash an hour in would
         name = "needle"

@@ -13,8 +13,8 @@ import hqekv
 from hqekv.cache import HqeKVLayer
 from hqekv.patching import output_cache
 from hqekv.cache.sliding import SlidingWindowLayer, sliding_attention
-from . import helpers
-from .helpers import FAMILIES, SLIDING_WINDOW, compiled_generate, greedy, stored_bytes, tiny_model
+from .. import helpers
+from ..helpers import FAMILIES, SLIDING_WINDOW, compiled_generate, greedy, stored_bytes, tiny_model
 
 BUDGETS = (2.0, 3.2)
 

@@ -13,8 +13,8 @@ import hqekv
 from hqekv.cache import room
 from hqekv.config import TierRatios
 
-from .helpers import DEVICE, Calls, decode_loop, stored_bytes, tiny_llama
-from .helpers import EVERY_TIER as MIXED
+from ..helpers import DEVICE, Calls, decode_loop, stored_bytes, tiny_llama
+from ..helpers import EVERY_TIER as MIXED
 
 STEPS = 100  # three flushes, two re-ranks after a 72-token prefill
 # On a CPU the decode kernel reads a row's chunks in table order whatever the table's width:

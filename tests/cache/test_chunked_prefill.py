@@ -11,7 +11,7 @@ from transformers import CompileConfig
 import hqekv
 from hqekv.eval.tasks import prefill
 
-from .helpers import prompt, tiny_llama
+from ..helpers import prompt, tiny_llama
 
 MIXED = hqekv.TierRatios(int4=0.3, int2=0.3, int1=0.2, evict=0.2)
 

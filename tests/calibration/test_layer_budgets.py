@@ -11,7 +11,7 @@ from hqekv.artifacts import ArtifactError, load_artifact, save_artifact
 from hqekv.tiers import EVICTED, FP16
 from hqekv.calibration import calibrate, layer_budgets, layer_sensitivity, mean_kl, ratios_at, split_budget
 
-from .helpers import CharTokenizer, metadata, tiny_llama, tiny_objective
+from ..helpers import CharTokenizer, metadata, tiny_llama, tiny_objective
 
 BASE = TierRatios(int4=0.5, int2=0.3, int1=0.1, evict=0.1)  # 2.7 bits
 
