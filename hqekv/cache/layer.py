@@ -140,8 +140,9 @@ class HqeKVLayer(RowStateLayer):
 
         A decode step (one token, cache not empty) is one graph under ``torch.compile``: the
         ``hqekv::mixed_attention`` op, then the token written into the FP16 tail with fixed
-        shapes. Flushing a full tail and re-ranking happen in :meth:`maintain`, an eager step
-        the patched model runs before each forward. Other inputs store eagerly.
+        shapes. Flushing a full tail and re-ranking happen in :meth:`maintain`, which only
+        :meth:`HqeKVCache.maintain` runs (before each forward of a patched model, and between
+        ``generate``'s steps). Other inputs store eagerly.
         """
         b, _, s, _ = key.shape
         if s == 0:
@@ -169,8 +170,6 @@ class HqeKVLayer(RowStateLayer):
                 out = unrotate(self.view().attend(q_r, k_r, v_r, new_valid, self.scaling), r)
             self._store(q_r, k_r, v_r, new_valid)
             return out
-        if not torch.compiler.is_compiling():
-            self.maintain()
         out = unrotate(self.view().attend(q_r, k_r, v_r, new_valid, self.scaling), r)
         if s == 1:
             # a row whose full tail could not take an earlier token lost it: NaN, never a plausible answer
@@ -381,21 +380,9 @@ class HqeKVLayer(RowStateLayer):
         return layer
 
     def set_chunks(self, table: ChunkTable, pools: dict[str, ComponentPools]) -> None:
-        """Hold ``pools`` through ``table`` in place of the current chunks (:mod:`hqekv.cache.rerank`).
-
-        A static cache copies them into its own tensors (growing those that lack room), so
-        every address a decode step uses stays; other caches take them as they are.
-        """
-        if not self.capacity.keeps_addresses():
-            self.table = table
-            self.pools = pools
-        else:
-            for component, new in pools.items():
-                own = self.pools[component]
-                for t in (FP16, *QUANTIZED_TIERS):
-                    own.used[t] = 0
-                    own.store(t, 0, new.in_use(t), self.capacity)
-            self.table.assign(table, self.capacity)
+        """Hold ``pools`` through ``table`` in place of the current chunks (:mod:`hqekv.cache.rerank`),
+        as the capacity does it (:meth:`~hqekv.cache.rows.Capacity.adopt`)."""
+        self.capacity.adopt(self, table, pools)
         self._mark_for_compile()
 
     def rerank(self, rows: torch.Tensor, provisional: bool = False) -> None:

@@ -17,6 +17,8 @@ import math
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
+from ..tiers import FP16, QUANTIZED_TIERS
+
 
 _FLOAT16_MAX = torch.finfo(torch.float16).max
 
@@ -118,6 +120,11 @@ class Capacity:
         """Whether the tensors a decode step uses keep their addresses (written in place, pinned)."""
         raise NotImplementedError
 
+    def adopt(self, layer, table, pools) -> None:
+        """Make ``layer`` hold ``pools`` (component -> ComponentPools) through ``table`` (a
+        ChunkTable), a re-rank's result, in place of its chunks."""
+        raise NotImplementedError
+
 
 class ExactCapacity(Capacity):
     """Storage holds exactly what is in use; it moves as the cache grows."""
@@ -127,6 +134,9 @@ class ExactCapacity(Capacity):
 
     def keeps_addresses(self) -> bool:
         return False
+
+    def adopt(self, layer, table, pools) -> None:
+        layer.table, layer.pools = table, pools
 
 
 class StaticCapacity(Capacity):
@@ -145,6 +155,16 @@ class StaticCapacity(Capacity):
 
     def keeps_addresses(self) -> bool:
         return True
+
+    def adopt(self, layer, table, pools) -> None:
+        """Copied into the layer's own tensors (growing those that lack room): every address
+        a decode step uses stays."""
+        for component, new in pools.items():
+            own = layer.pools[component]
+            for t in (FP16, *QUANTIZED_TIERS):
+                own.used[t] = 0
+                own.store(t, 0, new.in_use(t), self)
+        layer.table.assign(table, self)
 
 
 GROWTH = 1.25
