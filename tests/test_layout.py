@@ -15,7 +15,7 @@ LAYERS = [
     ("policy", "allocation", "memory"),
     ("cache.rows",),
     ("cache.pools", "cache.table", "cache.tail", "cache.query_window", "cache.counters", "cache.room"),
-    ("cache.view",),
+    ("cache.view", "cache.budget"),
     ("cache.rerank",),
     ("cache.layer", "cache.sliding"),
     ("cache.model_cache", "cache"),

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import hqekv
+from hqekv.cache import rerank
 from hqekv.cache.pools import VALUE, decode_chunks, encode_chunks
 from hqekv.config import HqeKVConfig, TierRatios
 from hqekv.patching import output_cache
@@ -98,7 +99,7 @@ def test_chunk_scores_do_not_depend_on_the_rotation(tiny):
         try:
             with torch.no_grad():
                 cache = output_cache(tiny(ids, use_cache=True))
-            scores[rotation] = [layer.chunk_importance() for layer in cache.layers]
+            scores[rotation] = [rerank.chunk_scores(layer) for layer in cache.layers]
         finally:
             hqekv.unpatch_model(tiny)
     for plain, rotated in zip(scores[None], scores["hadamard"]):

@@ -36,11 +36,10 @@ from __future__ import annotations
 
 import torch
 
-from .. import allocation
 from ..config import HqeKVConfig
 from ..quantization import prepare_tables
 from ..rotation import rotate, rotation_matrix, unrotate
-from ..tiers import FP16, INT1, QUANTIZED_TIERS, TIER_NAMES
+from ..tiers import FP16, QUANTIZED_TIERS, TIER_NAMES
 from . import rerank, room
 from .counters import RowCounters
 from .pools import KEY, VALUE, ComponentPools
@@ -337,36 +336,6 @@ class HqeKVLayer(RowStateLayer):
             pools.store(FP16, start, new[rows, cols].to(self.fp_dtype), self.capacity)
         self.table.append_fp16(ok, self.counters.n_chunks, slots[KEY], slots[VALUE], self.capacity)
         self.counters.n_chunks += ok.sum(1)
-
-    def chunk_importance(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Importance of every kept chunk, by the configured scorer (:func:`hqekv.cache.rerank.chunk_scores`).
-
-        -> score_k, score_v (B, C) float32 chunk scores in the order of :meth:`live_table`.
-        """
-        return rerank.chunk_scores(self)
-
-    def fair_budget(self) -> torch.Tensor:
-        """Bytes per row that ``bavg`` bits per element of every chunk the row has seen (evicted
-        ones included) come to (B,) float64: this layer's part of the model's budget when the
-        layers share it evenly."""
-        elements = 2 * self.num_kv_heads * self.config.chunk_size * self.head_dim
-        return self.counters.n_chunks.double() * self.config.bavg / 8 * elements
-
-    def chunk_bytes(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Real bytes of one chunk's keys and of its values at each kept tier (:func:`hqekv.allocation.chunk_bytes`)."""
-        fp = self.pools[KEY].fp
-        return allocation.chunk_bytes(
-            self.num_kv_heads, self.config.chunk_size, self.head_dim, self.value_group,
-            fp.element_size(), self.pools[KEY].quantized[QUANTIZED_TIERS[0]].meta0.element_size(), fp.device,
-        )  # fmt: skip
-
-    def chunk_storage_bytes(self) -> torch.Tensor:
-        """Real bytes each row's chunks hold at their tiers, codes and metadata (B,) float64:
-        what the rate-distortion budget counts."""
-        bytes_k, bytes_v = self.chunk_bytes()
-        table = self.live_table()
-        per_chunk = bytes_k[table.k_tier.clamp(0, INT1)] + bytes_v[table.v_tier.clamp(0, INT1)]
-        return torch.where(table.kept(), per_chunk, 0.0).sum(1)
 
     def copy(self, chunks: bool = True) -> "HqeKVLayer":
         """An independent copy of this layer's state (calibration scores trials from one prefill).

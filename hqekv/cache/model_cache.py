@@ -13,7 +13,7 @@ from transformers.cache_utils import Cache
 from .. import allocation
 from ..config import HqeKVConfig
 from ..memory import cache_report
-from . import rerank
+from . import budget, rerank
 from .layer import HqeKVLayer
 from .sliding import SlidingWindowLayer
 
@@ -115,21 +115,21 @@ class HqeKVCache(Cache):
         choices = [
             dataclasses.replace(
                 layer.pending,
-                budget=layer.fair_budget() * (allocation.PROVISIONAL if layer.deferring else 1.0),
+                budget=budget.fair_budget(layer) * (allocation.PROVISIONAL if layer.deferring else 1.0),
                 evictable=layer.pending.evictable & (not layer.deferring),
             )
             for layer in layers
         ]
         if allocation.LAYER_SCALE == "off":
-            tiers = [allocation.share([found], *layers[0].chunk_bytes())[0] for found in choices]
+            tiers = [allocation.share([found], *budget.chunk_bytes(layers[0]))[0] for found in choices]
         else:
-            tiers = allocation.share(choices, *layers[0].chunk_bytes())
+            tiers = allocation.share(choices, *budget.chunk_bytes(layers[0]))
         for layer, found, (k, v) in zip(layers, choices, tiers):
             layer.pending = None
             with torch.no_grad():
                 rerank.apply_tiers(layer, layer.live_table(), k, v)  # marks the new storage for compile
-            fair = layer.fair_budget()
-            share = layer.chunk_storage_bytes() / fair.clamp(min=1e-30)
+            fair = budget.fair_budget(layer)
+            share = budget.held_bytes(layer) / fair.clamp(min=1e-30)
             budget_share = layer.counters.budget_share
             budget_share.copy_(torch.where(fair > 0, share, budget_share))
 

@@ -29,6 +29,7 @@ from .. import allocation, importance, policy
 from ..config import HqeKVConfig, TierRatios
 from ..rotation import unrotate
 from ..tiers import EVICTED, FP16, INT1, INT2, INT4, QUANTIZED_TIERS, RERANK_TILE_CHUNKS, TILE_CHUNKS
+from . import budget
 from .pools import KEY, VALUE, ComponentPools, QuantizedPool, encode_chunks
 from .table import ChunkTable
 
@@ -321,9 +322,9 @@ def allocator_choices(layer, provisional: bool = False) -> "allocation.LayerChoi
     evictable = chunks
     for component_scores in scores:
         evictable = evictable & (policy.descending_rank(component_scores, chunks) >= cfg.protected_chunks)
-    budget = layer.fair_budget() * layer.counters.budget_share * (allocation.PROVISIONAL if provisional else 1.0)
+    row_budget = budget.fair_budget(layer) * layer.counters.budget_share * (allocation.PROVISIONAL if provisional else 1.0)
     energy = out.square().sum((1, 2, 3, 4))
-    return allocation.LayerChoices(d_k, d_v, d_evict, table.k_tier, table.v_tier, evictable, budget, energy)
+    return allocation.LayerChoices(d_k, d_v, d_evict, table.k_tier, table.v_tier, evictable, row_budget, energy)
 
 
 def rerank(layer, rows: torch.Tensor, provisional: bool = False) -> None:
@@ -345,7 +346,7 @@ def rerank(layer, rows: torch.Tensor, provisional: bool = False) -> None:
         if layer.deferring:
             found.evictable = torch.zeros_like(found.evictable)
         prop_k, prop_v = allocation.allocate(
-            found.d_k, found.d_v, found.d_evict, *layer.chunk_bytes(), found.k_tier, found.v_tier,
+            found.d_k, found.d_v, found.d_evict, *budget.chunk_bytes(layer), found.k_tier, found.v_tier,
             found.evictable, found.budget,
         )  # fmt: skip
     else:

@@ -145,7 +145,7 @@ class CompressionObjective:
         self.scores = []  # per HqeKV layer: score_k, score_v (1, C)
         self.encoded = []  # per HqeKV layer: keys, values {tier: every chunk at that tier}
         for layer in cache.hqekv_layers:  # sliding-window layers stay exact (hqekv.cache.sliding)
-            score_k, score_v = layer.chunk_importance()
+            score_k, score_v = rerank.chunk_scores(layer)
             keys, values, _, _ = layer.physical_cache()
             c = layer.table.width
             if not bool((layer.table.k_tier == 0).all()) or c * g > keys.shape[2]:

@@ -9,6 +9,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from transformers import CompileConfig
 
 import hqekv
+from hqekv.cache import budget
 from hqekv.eval.tasks import prefill
 
 from ..helpers import prompt, tiny_llama
@@ -129,10 +130,10 @@ def test_the_allocator_keeps_the_model_budget_after_every_prompt_chunk():
     with torch.no_grad():
         for start in range(0, ids.shape[1], 128):
             model(ids[:, start : start + 128], cache=cache)
-            held = sum(float(layer.chunk_storage_bytes().sum()) for layer in cache.hqekv_layers)
-            budget = sum(float(layer.fair_budget().sum()) for layer in cache.hqekv_layers)
+            held = sum(float(budget.held_bytes(layer).sum()) for layer in cache.hqekv_layers)
+            allowed = sum(float(budget.fair_budget(layer).sum()) for layer in cache.hqekv_layers)
             if start >= 256:  # by then the protected chunks fit in the budget
-                assert held <= budget, (start, held, budget)
+                assert held <= allowed, (start, held, allowed)
 
 
 def test_the_eval_prefill_feeds_a_prompt_in_chunks_like_generate():

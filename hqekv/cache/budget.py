@@ -1,0 +1,36 @@
+"""A layer's bytes as the rate-distortion allocator counts them (``allocation="rate-distortion"``):
+what ``bavg`` comes to per row, what one chunk costs at each tier, and what the chunks
+hold now — real bytes of codes and metadata, the same ones the memory report counts."""
+
+from __future__ import annotations
+
+import torch
+
+from .. import allocation
+from ..tiers import INT1, QUANTIZED_TIERS
+from .pools import KEY
+
+
+def fair_budget(layer) -> torch.Tensor:
+    """Bytes per row that ``bavg`` bits per element of every chunk the row has seen (evicted
+    ones included) come to (B,) float64: ``layer``'s part of the model's budget when the
+    layers share it evenly."""
+    elements = 2 * layer.num_kv_heads * layer.config.chunk_size * layer.head_dim
+    return layer.counters.n_chunks.double() * layer.config.bavg / 8 * elements
+
+
+def chunk_bytes(layer) -> tuple[torch.Tensor, torch.Tensor]:
+    """Real bytes of one chunk's keys and of its values at each kept tier (:func:`hqekv.allocation.chunk_bytes`)."""
+    pools = layer.pools[KEY]
+    return allocation.chunk_bytes(
+        layer.num_kv_heads, layer.config.chunk_size, layer.head_dim, layer.value_group,
+        pools.fp.element_size(), pools.quantized[QUANTIZED_TIERS[0]].meta0.element_size(), pools.fp.device,
+    )  # fmt: skip
+
+
+def held_bytes(layer) -> torch.Tensor:
+    """Real bytes each row's chunks hold at their tiers, codes and metadata (B,) float64."""
+    bytes_k, bytes_v = chunk_bytes(layer)
+    table = layer.live_table()
+    per_chunk = bytes_k[table.k_tier.clamp(0, INT1)] + bytes_v[table.v_tier.clamp(0, INT1)]
+    return torch.where(table.kept(), per_chunk, 0.0).sum(1)
