@@ -25,6 +25,9 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 EVERY_TIER = TierRatios(int4=0.3, int2=0.4, int1=0.2, evict=0.1)
 """Shares that use every tier, eviction too."""
 
+MIXED = TierRatios(int4=0.3, int2=0.3, int1=0.2, evict=0.2)
+"""Every quantized tier and a fifth of the chunks evicted: eviction in every short test."""
+
 
 def tiny_llama(seed: int = 0, layers: int = 2):
     from transformers import LlamaConfig, LlamaForCausalLM

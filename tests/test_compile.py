@@ -12,7 +12,7 @@ import hqekv
 from hqekv.config import TierRatios
 
 from .helpers import DEVICE, Calls, CompileCounts, compiled_generate, decode_loop, greedy, tiny_llama
-from .helpers import EVERY_TIER as MIXED
+from .helpers import EVERY_TIER
 
 PER_LAYER = (TierRatios(int4=0.6, int2=0.4), TierRatios(int2=0.2, int1=0.4, evict=0.4))  # 3.2 and 0.8 bits
 
@@ -21,7 +21,7 @@ PER_LAYER = (TierRatios(int4=0.6, int2=0.4), TierRatios(int2=0.2, int1=0.4, evic
 def test_compiled_generate_equals_eager_and_compiles_decode_once(setting):
     model = tiny_llama().to(DEVICE)
     if setting == "rotated":  # the rotated path compiles too
-        hqekv.patch_model(model, ratios=MIXED, rotation="hadamard")
+        hqekv.patch_model(model, ratios=EVERY_TIER, rotation="hadamard")
     elif setting == "auto":  # the rate-distortion allocator re-ranks in the eager step
         hqekv.patch_model(model, 1.5, ratios="auto")
     else:  # each layer re-ranks at its own ratios, in the one decode graph
@@ -46,7 +46,7 @@ def test_generate_with_a_compile_config_decodes_with_the_compiled_step():
     whole graph (fullgraph=True; the cache is compileable and its eager step runs between
     steps), keeps the 2-D padding mask, and gives the eager tokens."""
     model = tiny_llama().to(DEVICE)
-    hqekv.patch_model(model, ratios=MIXED)
+    hqekv.patch_model(model, ratios=EVERY_TIER)
     assert hqekv.new_cache(model).is_compileable
     gen = torch.Generator().manual_seed(3)
     ids = torch.randint(1, 128, (2, 40), generator=gen)
@@ -101,7 +101,7 @@ def test_the_decode_graph_inputs_answer_inductors_cuda_graph_checks():
         return gm.forward
 
     model = tiny_llama().to(DEVICE)
-    hqekv.patch_model(model, ratios=MIXED)
+    hqekv.patch_model(model, ratios=EVERY_TIER)
     ids = torch.randint(1, 128, (2, 50), generator=torch.Generator().manual_seed(0)).to(DEVICE)
     torch._dynamo.reset()
     eager_forward = model.forward
@@ -116,7 +116,7 @@ def test_the_decode_graph_inputs_answer_inductors_cuda_graph_checks():
 
 def test_decode_attention_forward_has_no_graph_break():
     model = tiny_llama().to(DEVICE)
-    hqekv.patch_model(model, ratios=MIXED)
+    hqekv.patch_model(model, ratios=EVERY_TIER)
     cache, position = decode_state(model)
     attention = model.model.layers[0].self_attn
     hidden, pe = attention_inputs(model, position, seed=2)
@@ -173,7 +173,7 @@ def test_fullgraph_compiled_model_decodes_100_steps_in_one_graph(monkeypatch):
     """``torch.compile(model, fullgraph=True)``: 100 decode steps with three tail flushes and two
     re-ranks (the eager step between steps) run one graph, compiled once, and give eager's logits."""
     model = tiny_llama().to(DEVICE)
-    hqekv.patch_model(model, ratios=MIXED)
+    hqekv.patch_model(model, ratios=EVERY_TIER)
     ids = torch.randint(1, 128, (2, 72), generator=torch.Generator().manual_seed(5)).to(DEVICE)
     mask = torch.ones_like(ids)
     mask[1, :32] = 0  # row 1: 40 real tokens after padding, so both rows flush at the same steps
@@ -199,7 +199,7 @@ def test_compiled_decode_without_the_eager_step_fails_loudly():
     """A loop that skips ``cache.maintain()`` cannot flush a full tail: the row answers NaN, never a
     plausible token, and the next eager step raises."""
     model = tiny_llama().to(DEVICE)
-    hqekv.patch_model(model, ratios=MIXED)
+    hqekv.patch_model(model, ratios=EVERY_TIER)
     cache = hqekv.new_cache(model)
     with torch.no_grad():
         model(input_ids=torch.randint(1, 128, (1, 60), generator=torch.Generator().manual_seed(7)).to(DEVICE),
@@ -222,7 +222,7 @@ def test_the_eager_step_looks_at_the_tails_about_once_per_chunk(monkeypatch):
     adds at most one token): rows whose tails fill at different steps flush at the right
     step, with the logits of a cache that looks at every step."""
     model = tiny_llama().to(DEVICE)
-    hqekv.patch_model(model, ratios=MIXED)
+    hqekv.patch_model(model, ratios=EVERY_TIER)
     ids = torch.randint(1, 128, (2, 41), generator=torch.Generator().manual_seed(8)).to(DEVICE)
     mask = torch.ones_like(ids)
     mask[1, :7] = 0  # tails of 9 and 2 tokens: the rows fill at different steps

@@ -8,9 +8,7 @@ import torch
 import hqekv
 from hqekv.patching import output_cache
 
-from .helpers import greedy, prompt, stored_bytes
-
-MIXED = hqekv.TierRatios(int4=0.3, int2=0.3, int1=0.2, evict=0.2)
+from .helpers import MIXED, greedy, prompt, stored_bytes
 
 
 def test_memory_report_counts_every_stored_byte(tiny):

@@ -8,9 +8,7 @@ import torch
 import hqekv
 from hqekv.patching import output_cache
 
-from .helpers import greedy, prompt, tiny_llama
-
-MIXED = hqekv.TierRatios(int4=0.3, int2=0.3, int1=0.2, evict=0.2)
+from .helpers import MIXED, greedy, prompt, tiny_llama
 
 
 def test_fp16_ratios_reproduce_unpatched_and_unpatch_is_exact(tiny):

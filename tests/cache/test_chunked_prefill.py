@@ -12,9 +12,7 @@ import hqekv
 from hqekv.cache import budget
 from hqekv.eval.tasks import prefill
 
-from ..helpers import prompt, tiny_llama
-
-MIXED = hqekv.TierRatios(int4=0.3, int2=0.3, int1=0.2, evict=0.2)
+from ..helpers import MIXED, prompt, tiny_llama
 
 
 def generate(model, ids, mask=None, n=40, **kw):

@@ -7,9 +7,7 @@ import hqekv
 from hqekv.patching import output_cache
 from hqekv.tiers import EVICTED, FP16
 
-from ..helpers import greedy, prompt, tiny_llama
-
-MIXED = hqekv.TierRatios(int4=0.3, int2=0.3, int1=0.2, evict=0.2)
+from ..helpers import MIXED, greedy, prompt, tiny_llama
 
 
 def _watch_reranks(cache):

@@ -14,7 +14,7 @@ from hqekv.cache import room
 from hqekv.config import TierRatios
 
 from ..helpers import DEVICE, Calls, decode_loop, stored_bytes, tiny_llama
-from ..helpers import EVERY_TIER as MIXED
+from ..helpers import EVERY_TIER
 
 STEPS = 100  # three flushes, two re-ranks after a 72-token prefill
 # On a CPU the decode kernel reads a row's chunks in table order whatever the table's width:
@@ -29,7 +29,7 @@ def decode_tensors(cache) -> dict[str, torch.Tensor]:
 
 def test_decode_tensors_are_the_row_state_the_length_and_the_pools():
     model = tiny_llama().to(DEVICE)
-    hqekv.patch_model(model, ratios=MIXED)
+    hqekv.patch_model(model, ratios=EVERY_TIER)
     layer = prefilled(model).layers[0]
     t, tail, window, counters = layer.table, layer.tail, layer.query_window, layer.counters
     named = [t.chunk_pos, t.k_tier, t.k_slot, t.v_tier, t.v_slot, tail.k, tail.v, tail.length, window.q, window.pos,
@@ -76,7 +76,7 @@ def test_static_cache_keeps_every_address_and_the_logits(monkeypatch):
     """100 decode steps, three flushes and two re-ranks, over a cache sized for them: no decode
     tensor moves, each is marked static, and logits and bytes in use are a non-static cache's."""
     model = tiny_llama().to(DEVICE)
-    hqekv.patch_model(model, ratios=MIXED)
+    hqekv.patch_model(model, ratios=EVERY_TIER)
     exact, static = prefilled(model), prefilled(model, max_length=72 + STEPS)
     assert all(layer.capacity.keeps_addresses() for layer in static.layers) and not any(layer.capacity.keeps_addresses() for layer in exact.layers)
     expected = decode_loop(model, exact, follow_tokens())
@@ -105,7 +105,7 @@ def test_static_room_is_what_the_ratios_imply_and_the_prefill_gives_back_its_fp1
     """A prefill stores all its chunks in FP16 before re-ranking moves them down; a static cache
     then keeps the room its ratios imply for max_length, not the prefill's FP16 slots."""
     model = tiny_llama().to(DEVICE)
-    hqekv.patch_model(model, ratios=MIXED)
+    hqekv.patch_model(model, ratios=EVERY_TIER)
     ids = torch.randint(1, 128, (1, 320), generator=torch.Generator().manual_seed(2)).to(DEVICE)
     cache = hqekv.new_cache(model, 330)
     with torch.no_grad():
@@ -125,7 +125,7 @@ def test_static_cache_that_runs_out_of_room_grows_rarely_and_stays_right():
     """A max_length shorter than the request: storage grows by doubling (a few address changes
     in 100 steps, not one per flush), and the logits stay those of a cache without it."""
     model = tiny_llama().to(DEVICE)
-    hqekv.patch_model(model, ratios=MIXED)
+    hqekv.patch_model(model, ratios=EVERY_TIER)
     exact, static = prefilled(model), prefilled(model, max_length=72)
     expected = decode_loop(model, exact, follow_tokens())
     addresses = Addresses(static)
@@ -139,7 +139,7 @@ def test_static_cache_that_runs_out_of_room_grows_rarely_and_stays_right():
 
 def test_fullgraph_compiled_decode_over_a_static_cache_is_one_graph():
     model = tiny_llama().to(DEVICE)
-    hqekv.patch_model(model, ratios=MIXED)
+    hqekv.patch_model(model, ratios=EVERY_TIER)
     exact, static = prefilled(model), prefilled(model, max_length=72 + STEPS)
     expected = decode_loop(model, exact, follow_tokens())
     torch._dynamo.reset()
@@ -150,7 +150,7 @@ def test_fullgraph_compiled_decode_over_a_static_cache_is_one_graph():
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("ratios", [MIXED, "auto"])
+@pytest.mark.parametrize("ratios", [EVERY_TIER, "auto"])
 def test_generate_makes_its_cache_static_when_it_compiles_the_decode_step(ratios):
     model = tiny_llama().to(DEVICE)
     hqekv.patch_model(model, 1.5 if ratios == "auto" else None, ratios=ratios)
@@ -175,7 +175,7 @@ def test_generate_makes_its_cache_static_when_it_compiles_the_decode_step(ratios
 
 def test_beam_search_reorders_a_static_cache_in_place():
     model = tiny_llama().to(DEVICE)
-    hqekv.patch_model(model, ratios=MIXED)
+    hqekv.patch_model(model, ratios=EVERY_TIER)
     ids = torch.randint(1, 128, (1, 60), generator=torch.Generator().manual_seed(4)).to(DEVICE)
     run = dict(input_ids=ids, max_new_tokens=40, min_new_tokens=40, do_sample=False, num_beams=3)
     with torch.no_grad():
@@ -187,7 +187,7 @@ def test_beam_search_reorders_a_static_cache_in_place():
 @pytest.mark.parametrize("bad", [0, -5, 2.5, True])
 def test_max_length_must_be_a_positive_count(bad):
     model = tiny_llama()
-    hqekv.patch_model(model, ratios=MIXED)
+    hqekv.patch_model(model, ratios=EVERY_TIER)
     with pytest.raises(ValueError, match="max_length"):
         hqekv.new_cache(model, bad)
 
