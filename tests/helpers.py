@@ -112,6 +112,20 @@ def greedy(model, ids, n: int, **kw):
         return model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, **kw)
 
 
+def assert_left_padding_matches_single_rows(model, n: int, low: int = 1) -> None:
+    """Two prompts of 150 and 97 tokens (ids from ``low``), the shorter left-padded with 0,
+    give ``model`` the same ``n`` greedy tokens batched as each alone."""
+    a, b = prompt(150, seed=1, low=low)[0], prompt(97, seed=2, low=low)[0]
+    singles = [greedy(model, x[None], n)[0, x.numel() :] for x in (a, b)]
+    pad = a.numel() - b.numel()
+    ids = torch.stack([a, torch.cat([torch.zeros(pad, dtype=torch.long), b])])
+    mask = torch.ones_like(ids)
+    mask[1, :pad] = 0
+    batched = greedy(model, ids, n, attention_mask=mask, pad_token_id=0)[:, ids.shape[1] :]
+    assert torch.equal(batched[0], singles[0])
+    assert torch.equal(batched[1], singles[1])
+
+
 class CompileCounts(LogitsProcessor):
     """A logits processor recording, at each generated token, how many frames the counter has
     compiled so far."""

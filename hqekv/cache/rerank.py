@@ -322,7 +322,8 @@ def allocator_choices(layer, provisional: bool = False) -> "allocation.LayerChoi
     evictable = chunks
     for component_scores in scores:
         evictable = evictable & (policy.descending_rank(component_scores, chunks) >= cfg.protected_chunks)
-    row_budget = budget.fair_budget(layer) * layer.counters.budget_share * (allocation.PROVISIONAL if provisional else 1.0)
+    allowance = allocation.PROVISIONAL if provisional else 1.0
+    row_budget = budget.fair_budget(layer) * layer.counters.budget_share * allowance
     energy = out.square().sum((1, 2, 3, 4))
     return allocation.LayerChoices(d_k, d_v, d_evict, table.k_tier, table.v_tier, evictable, row_budget, energy)
 

@@ -1,4 +1,5 @@
-"""The HqeKV layer through a patched tiny random Llama: chunks and tiers across prefill, chunked input and decode, padded and reordered rows, what it refuses to store."""
+"""The HqeKV layer through a patched tiny random Llama: chunks and tiers across prefill,
+chunked input and decode, padded and reordered rows, what it refuses to store."""
 
 import pytest
 import torch
@@ -7,7 +8,7 @@ import hqekv
 from hqekv.patching import output_cache
 from hqekv.tiers import EVICTED, FP16
 
-from ..helpers import MIXED, greedy, prompt, tiny_llama
+from ..helpers import MIXED, assert_left_padding_matches_single_rows, greedy, prompt, tiny_llama
 
 
 def _watch_reranks(cache):
@@ -71,15 +72,7 @@ def test_decode_reranks_only_move_down_and_lengths(tiny):
 def test_batch_left_padding_matches_single_rows():
     model = tiny_llama(seed=1)
     hqekv.patch_model(model, ratios=MIXED, value_group=16)
-    a, b = prompt(150, seed=1)[0], prompt(97, seed=2)[0]
-    singles = [greedy(model, x[None], 70)[0, x.numel() :] for x in (a, b)]
-    pad = a.numel() - b.numel()
-    ids = torch.stack([a, torch.cat([torch.zeros(pad, dtype=torch.long), b])])
-    mask = torch.ones_like(ids)
-    mask[1, :pad] = 0
-    batched = greedy(model, ids, 70, attention_mask=mask, pad_token_id=0)[:, ids.shape[1] :]
-    assert torch.equal(batched[0], singles[0])
-    assert torch.equal(batched[1], singles[1])
+    assert_left_padding_matches_single_rows(model, 70)
 
 
 def test_multi_token_calls_on_existing_cache(tiny):
