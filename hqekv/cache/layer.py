@@ -1,35 +1,21 @@
-"""One global attention layer's compressed cache: :class:`HqeKVLayer`, composed of parts.
-
-A layer holds *all* request state of its attention layer (SPEC §1.4 fix: nothing lives on
-modules or globals), each piece in the part that owns it:
+"""One global attention layer's compressed cache: :class:`HqeKVLayer`, composed of parts
+that own their state (``docs/architecture.md`` draws them):
 
 - ``pools``: per component, the chunk slots of each tier (:mod:`hqekv.cache.pools`);
-- ``table``: the chunk table (:mod:`hqekv.cache.table`), where each kept chunk's keys and
-  values lie; evicted chunks are physically gone;
+- ``table``: where each kept chunk's keys and values lie (:mod:`hqekv.cache.table`);
 - ``tail``: the FP16 tail of the newest ``len % G`` tokens (:mod:`hqekv.cache.tail`);
-- ``query_window``: the last m queries (after RoPE) that re-ranking scores importance with
-  (:mod:`hqekv.cache.query_window`);
-- ``counters``: per-row counters (:mod:`hqekv.cache.counters`), and the logical length
-  (:class:`~hqekv.cache.rows.RowStateLayer`);
-- ``capacity``: how storage is sized, exactly or reserved ahead for CUDA graphs
-  (:class:`~hqekv.cache.rows.Capacity`).
+- ``query_window``: the last m queries, which re-ranking scores importance with;
+- ``counters``: per-row counters, and the logical length (:mod:`hqekv.cache.rows`);
+- ``capacity``: storage sized exactly, or reserved ahead for CUDA graphs.
 
-Attention reads the storage as one :class:`~hqekv.cache.view.CacheView`; re-ranking
-(importance → policy → rebuild) is :mod:`hqekv.cache.rerank`; byte accounting,
-:mod:`hqekv.memory`. This module keeps the CacheLayerMixin contract, moves full tails into
-FP16 chunks and decides when to re-rank.
-
-With ``config.rotation`` set, everything above is stored in a rotated basis: keys, values
-and window queries are multiplied by one orthogonal (D, D) matrix R before they are cached
-(:mod:`hqekv.rotation`), queries by R before attention, and the output by Rᵀ after it, so
-attention is unchanged and only the quantizers see rotated vectors.
-
-Positions stay absolute (keys are cached after RoPE): the cache reports the logical
-length to the model, and attention runs over the physical tokens.
-
-A decode step writes its token into the tail with fixed shapes, so it compiles to one
-graph; a tail that fills up becomes a chunk, and re-ranking happens, in
-:meth:`HqeKVLayer.maintain`, an eager step run between steps.
+Attention reads the storage as one :class:`~hqekv.cache.view.CacheView`; re-ranking is
+:mod:`hqekv.cache.rerank`. This module keeps transformers' CacheLayerMixin contract, stores
+new tokens, moves full tails into FP16 chunks and decides when to re-rank. With
+``config.rotation`` set, keys, values and window queries are stored in a rotated basis
+(:mod:`hqekv.rotation`) and the output rotated back. Keys are cached after RoPE: the layer
+reports the logical length to the model, and attention runs over the physical tokens. A
+decode step writes its token into the tail with fixed shapes (one graph under
+``torch.compile``); flushing and re-ranking happen in :meth:`HqeKVLayer.maintain`, eager.
 """
 
 from __future__ import annotations
@@ -206,20 +192,15 @@ class HqeKVLayer(RowStateLayer):
     def _mark_for_compile(self) -> None:
         """Tell ``torch.compile`` that pool sizes and table widths vary, so they never cause a recompile.
 
-        They only reach a compiled graph as inputs of the opaque ``hqekv::mixed_attention`` op,
-        whose output shape does not depend on them; marked unbacked, they are not specialized
-        (not even at 0 or 1) and the decode graph is compiled once. The tables are kept
-        column-major, so that their unbacked width is no stride either: inductor's CUDA-graph
-        checks ask whether an input's stride is 0, which an unbacked stride cannot answer. A
-        static cache also marks every tensor a decode step reads or writes as a static address
-        (CUDA graphs replay over them without copies; :meth:`RowStateLayer.pin`).
+        They reach a compiled graph only as inputs of the opaque ``hqekv::mixed_attention`` op,
+        whose output shape does not depend on them: marked unbacked, they are not specialized
+        and the decode graph is compiled once (the tables column-major, so that no stride holds
+        their width: inductor's CUDA-graph checks ask whether a stride is 0). A static cache
+        also pins every tensor a decode step reads or writes (:meth:`RowStateLayer.pin`).
         """
         for component in (KEY, VALUE):
-            for t in self.pools[component].op_order():
-                torch._dynamo.decorators.mark_unbacked(t, 0)
-        self.table.to_column_major()
-        for t in self.table.tensors():
-            torch._dynamo.decorators.mark_unbacked(t, 1)
+            self.pools[component].mark_dynamic()
+        self.table.mark_dynamic()
         self.pin()
 
     def decode_tensors(self) -> list[torch.Tensor]:
@@ -323,18 +304,15 @@ class HqeKVLayer(RowStateLayer):
             self.rerank(due, provisional=True)
 
     def _add_fp16_chunks(self, fk: torch.Tensor, fv: torch.Tensor, ok: torch.Tensor) -> None:
-        """Append new chunks (B, F, H, G, D) where ``ok`` (B, F) to the FP16 pools and chunk tables."""
+        """Append new chunks (B, F, H, G, D) where ``ok`` (B, F) to the FP16 pools and chunk tables.
+
+        Each component's new slots follow its own FP16 slots in use: K and V hold different
+        numbers once re-ranks have moved some chunks of one component down and not the other's.
+        """
         rows, cols = ok.nonzero(as_tuple=True)
-        # K and V hold different numbers of FP16 slots once re-ranks have moved some chunks of one
-        # component down and not the other's: each new chunk's slot is the end of its own pool.
-        added = torch.arange(rows.numel(), device=self.device)
-        slots = {}
-        for component, new in ((KEY, fk), (VALUE, fv)):
-            pools = self.pools[component]
-            start = pools.used[FP16]
-            slots[component] = start + added
-            pools.store(FP16, start, new[rows, cols].to(self.fp_dtype), self.capacity)
-        self.table.append_fp16(ok, self.counters.n_chunks, slots[KEY], slots[VALUE], self.capacity)
+        slots = [self.pools[c].append(FP16, new[rows, cols].to(self.fp_dtype), self.capacity)
+                 for c, new in ((KEY, fk), (VALUE, fv))]  # fmt: skip
+        self.table.append_fp16(ok, self.counters.n_chunks, *slots, self.capacity)
         self.counters.n_chunks += ok.sum(1)
 
     def copy(self, chunks: bool = True) -> "HqeKVLayer":

@@ -68,7 +68,7 @@ class ChunkTable(RowPart):
         if width > w:
             self._replace(torch.nn.functional.pad(t, (0, width - w), value=-1) for t in self.tensors())
         elif width < w:
-            # own storage, so the wider tables are freed (their layout for compiled steps: to_column_major)
+            # own storage, so the wider tables are freed (their layout for compiled steps: mark_dynamic)
             self._replace(t[:, :width].clone() for t in self.tensors())
 
     def widen(self, width: int, capacity: Capacity) -> None:
@@ -96,9 +96,12 @@ class ChunkTable(RowPart):
             own.fill_(-1)
             own[:, : new.shape[1]] = new
 
-    def to_column_major(self) -> None:
-        """Strides (1, B): the width C in no stride (for compiled steps)."""
+    def mark_dynamic(self) -> None:
+        """Tell ``torch.compile`` that the width varies (:meth:`HqeKVLayer.mark_for_compile`):
+        column-major, so that the width is in no stride, and marked unbacked."""
         self._replace(column_major(t) for t in self.tensors())
+        for t in self.tensors():
+            torch._dynamo.decorators.mark_unbacked(t, 1)
 
     def _replace(self, tensors) -> None:
         self.chunk_pos, self.k_tier, self.k_slot, self.v_tier, self.v_slot = tensors

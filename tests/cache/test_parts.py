@@ -250,7 +250,7 @@ def test_a_chunk_table_grows_as_its_capacity_says_and_reorders_rows_in_place():
     address = table.chunk_pos.data_ptr()
     table.reorder(torch.tensor([1, 0]))
     assert table.chunk_pos.data_ptr() == address and table.chunk_pos.tolist() == [[3, -1, -1], [0, 1, -1]]
-    table.to_column_major()
+    table.mark_dynamic()
     assert table.chunk_pos.stride() == (1, 2) and table.chunk_pos.tolist() == [[3, -1, -1], [0, 1, -1]]
     other = ChunkTable(*(torch.full((2, 1), 9) for _ in range(5)))
     table.assign(other, StaticCapacity(1000))
