@@ -264,13 +264,21 @@ class PerplexityTask(Task):
     continuation_tokens = 256
 
     def samples(self, tokenizer, n, lengths, seed):
+        """Each sample's articles in a shuffled order, no two samples starting with the same
+        article (an order that repeats a first article is shuffled again): a long article would
+        otherwise make two samples one text."""
         articles = texts.squad_articles()[CALIBRATION_ARTICLES:]
+        if n > len(articles):
+            raise ValueError(f"ppl has {len(articles)} held-out articles to start samples with, {n} samples asked")
         rng = random.Random(seed)
-        out = []
+        out, firsts = [], set()
         for i in range(n):
             length = lengths[i % len(lengths)]
             order = list(articles)
             rng.shuffle(order)
+            while order[0][0] in firsts:
+                rng.shuffle(order)
+            firsts.add(order[0][0])
             ids, _ = texts.joined_tokens(tokenizer, order, length + self.continuation_tokens)
             ids = torch.tensor([ids])
             out.append(Sample(f"ppl-{i}", ids[:, :length], [], {"length": length}, ids[:, length:]))

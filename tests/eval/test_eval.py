@@ -86,6 +86,16 @@ def test_samples_are_seeded_and_exclude_calibration_text(smollm2):
     assert any(p[:80] in eval_text for t, text in squad_articles() if t not in calibration for p in text.split("\n\n"))
 
 
+def test_no_two_perplexity_samples_are_one_text(smollm2):
+    _, tok = smollm2
+    # seed 2 shuffles the same long article first for its first two samples
+    samples = TASKS["ppl"].samples(tok, 6, [512], seed=2)
+    starts = {tuple(s.input_ids[0, :64].tolist()) for s in samples}
+    assert len(starts) == 6
+    with pytest.raises(ValueError, match="held-out articles"):
+        TASKS["ppl"].samples(tok, 40, [512], seed=0)
+
+
 @pytest.fixture(scope="module")
 def run(smollm2):
     model, tok = smollm2
