@@ -229,6 +229,27 @@ def chunk_bytes(
     return torch.tensor(k, dtype=torch.float64, device=device), torch.tensor(v, dtype=torch.float64, device=device)
 
 
+def ratio_bits(config, head_dim: int, kv_dtype: torch.dtype) -> float:
+    """Real bits per element of chunk storage that ``config``'s tier shares spend, as
+    :func:`chunk_bytes` counts them (codes and metadata; evicted chunks count 0), averaged
+    over keys and values and over its per-layer budgets, for a model of ``head_dim`` whose
+    keys and values are ``kv_dtype``: the budget at which the allocator spends what the
+    shares do. The protected FP16 chunks on top of the shares are not counted.
+    """
+    value_group = min(config.value_group, head_dim)
+    fp_bytes = config.resolve_fp_dtype(kv_dtype).itemsize
+    meta_bytes = config.resolve_metadata_dtype(kv_dtype).itemsize
+    bytes_k, bytes_v = chunk_bytes(1, config.chunk_size, head_dim, value_group, fp_bytes, meta_bytes)
+    elements = config.chunk_size * head_dim
+
+    def spent(shares, per_tier: torch.Tensor) -> float:  # per_tier stops before the evicted share: it costs nothing
+        return sum(share * float(b) for share, b in zip(shares.as_tuple(), per_tier))
+
+    layers = config.layer_ratios or (config.ratios,)
+    per_layer = [spent(config.key_ratios or r, bytes_k) + spent(r, bytes_v) for r in layers]
+    return sum(per_layer) / len(per_layer) * 8 / (2 * elements)
+
+
 def allocate(
     d_k: torch.Tensor,
     d_v: torch.Tensor,

@@ -29,6 +29,11 @@ FORMAT = "hqekv-ratios"
 FORMAT_VERSION = 1
 SHIPPED_DIR = Path(__file__).parent / "artifacts"
 SUFFIX = ".safetensors"
+SUPERSEDED = ("gemma-3-270m-bavg2.safetensors", "gemma-3-270m-bavg3.2.safetensors")
+"""Shipped artifacts that the rate-distortion allocator beats at the same real bytes, on
+samples their calibration never read (docs/results.md, Gemma-3-270M): ``patch_model`` runs
+the allocator at the bytes their shares spend instead; ``ratios="calibrated"`` still
+takes them."""
 
 FINGERPRINT_FIELDS = (
     "model_type",
@@ -137,7 +142,15 @@ class Artifact:
         if self.layer_ratios is not None:
             lines.append(f"  per-layer budgets (bits): {', '.join(f'{r.bavg:.2f}' for r in self.layer_ratios)}")
         lines += [f"  {k}: {v}" for k, v in sorted(self.metadata.items()) if k != "layer_ratios"]
+        if self.superseded:
+            lines.append("  superseded: patch_model runs the rate-distortion allocator at the bytes these shares "
+                         "spend; ratios='calibrated' takes them")  # fmt: skip
         return "\n".join(lines)
+
+    @property
+    def superseded(self) -> bool:
+        """Whether this is a shipped artifact the allocator took the place of (:data:`SUPERSEDED`)."""
+        return self.path.name in SUPERSEDED and self.path.resolve().parent == SHIPPED_DIR.resolve()
 
 
 def artifact_filename(model_id: str, bavg: float) -> str:

@@ -147,11 +147,11 @@ FP16_RATIOS = TierRatios(fp16=1.0)
 """Everything full precision: the cache must then reproduce the unpatched model."""
 
 
-def budget_config(bavg: float, **settings) -> "HqeKVConfig":
-    """The rate-distortion allocator at ``bavg`` real bits per element of chunk storage."""
+def budget_config(bavg: float, source: str = "rate-distortion", **settings) -> "HqeKVConfig":
+    """The rate-distortion allocator at ``bavg`` real bits per element of chunk storage;
+    ``source`` says why (its ``ratios_source``)."""
     return HqeKVConfig(
-        ratios=uncalibrated_ratios(bavg), bavg=bavg, allocation="rate-distortion", ratios_source="rate-distortion",
-        **settings,
+        ratios=uncalibrated_ratios(bavg), bavg=bavg, allocation="rate-distortion", ratios_source=source, **settings
     )
 
 
@@ -244,7 +244,9 @@ class HqeKVConfig:
         (:mod:`hqekv.allocation`). ``bavg`` then counts real bits, metadata included, and
         ``ratios`` only size a static cache's first reserve. ``patch_model(ratios="auto")``.
     ratios_source : str
-        Where the ratios came from ("explicit", "artifact:<path>", "uncalibrated").
+        Where the ratios came from: "explicit", "artifact:<path>", "shipped:<file>",
+        "rate-distortion", "rate-distortion at the bytes of shipped:<file>" (an artifact the
+        allocator superseded), "full precision".
     """
 
     ratios: TierRatios

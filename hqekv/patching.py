@@ -64,11 +64,13 @@ def patch_model(
     model : transformers causal LM of a supported architecture (``hqekv.SUPPORTED_MODEL_TYPES``)
     bavg : float, default 3.2
         Average code bits per element, in (0, 16]. 3.2 is near-lossless in the paper, 2.0 aggressive.
-    ratios : TierRatios, dict, (d4, d2, d1, d_evict), (fp16, d4, d2, d1, d_evict) or "auto", optional
+    ratios : TierRatios, dict, (d4, d2, d1, d_evict), (fp16, d4, d2, d1, d_evict), "auto" or "calibrated", optional
         Tier shares; if given with ``bavg`` they must satisfy SPEC eq. (6). ``"auto"``: no
         shares and no calibration; every re-rank chooses each chunk's tiers within a budget
         of ``bavg`` *real* bits per element (codes and metadata) by their expected damage to
         attention (``allocation="rate-distortion"``, :mod:`hqekv.allocation`).
+        ``"calibrated"``: an artifact of your own or a shipped one for this model and bavg,
+        even one the allocator superseded; :class:`hqekv.artifacts.ArtifactError` if none.
     key_ratios : same types, optional
         The keys' own tier shares (``ratios`` are then the values'); same evicted share,
         and ``bavg`` is the mean of the two budgets.
@@ -85,9 +87,11 @@ def patch_model(
 
     Without ``ratios`` and ``artifact``, an artifact of your own for this model and bavg
     (``$HQEKV_CACHE/artifacts``, or the model's ``owner/name-hqekv`` Hub repo in the local
-    Hub cache) or the one shipped in the package is used; if there is none, the
-    rate-distortion allocator (as ``ratios="auto"``), with an
-    :class:`UncalibratedRatiosWarning` (at bavg 16, every chunk full precision).
+    Hub cache) or the one shipped in the package is used (where the allocator beats a shipped
+    artifact, :data:`hqekv.artifacts.SUPERSEDED`, the allocator at the real bytes the
+    artifact's shares spend); if there is none, the rate-distortion allocator (as
+    ``ratios="auto"``), with an :class:`UncalibratedRatiosWarning` (at bavg 16, every chunk
+    full precision).
     value_group : int, optional
         Channels per value quantization group; by default 64, or the largest power of two
         below it that divides the head dim (32 for head dim 96, 16 for 80).

@@ -30,9 +30,15 @@ def check_causal_lm(model) -> None:
 def resolve_config(model, bavg=None, ratios=None, artifact=None, key_ratios=None, layer_ratios=None,
                    **settings) -> HqeKVConfig:  # fmt: skip
     """Ratios in order (SPEC §2): explicit ``ratios`` (and ``key_ratios`` or ``layer_ratios``); ``artifact`` (file,
-    directory or Hub repo id); an artifact shipped in the package for this model and bavg;
-    else the rate-distortion allocator (``ratios="auto"``), with an :class:`UncalibratedRatiosWarning`."""
-    from . import artifacts
+    directory or Hub repo id); an artifact of the user's own, then one shipped in the package,
+    for this model and bavg; else the rate-distortion allocator (``ratios="auto"``), with an
+    :class:`UncalibratedRatiosWarning`.
+
+    A shipped artifact the allocator beats (:data:`hqekv.artifacts.SUPERSEDED`) gives way to
+    the allocator at the real bytes the artifact's shares spend (:func:`hqekv.allocation.ratio_bits`).
+    ``ratios="calibrated"`` insists on an artifact (own or shipped, superseded or not) and
+    raises :class:`hqekv.artifacts.ArtifactError` when there is none."""
+    from . import allocation, artifacts
 
     if bavg is not None:
         bavg = check_bavg(bavg)
@@ -43,12 +49,19 @@ def resolve_config(model, bavg=None, ratios=None, artifact=None, key_ratios=None
     if layer_ratios is not None and ratios is None:
         raise ValueError("layer_ratios= needs ratios= (the shares they were split from); "
                          "an artifact carries its own layer ratios")  # fmt: skip
+    calibrated = isinstance(ratios, str) and ratios == "calibrated"
     if isinstance(ratios, str):
-        if ratios != "auto":
-            raise ValueError(f"ratios must be tier shares or 'auto' (the rate-distortion allocator), got {ratios!r}")
+        if ratios not in ("auto", "calibrated"):
+            raise ValueError(
+                "ratios must be tier shares, 'auto' (the rate-distortion allocator) or 'calibrated' (an artifact's "
+                f"shares), got {ratios!r}"
+            )
         if key_ratios is not None or layer_ratios is not None:
-            raise ValueError("ratios='auto' chooses tiers by itself: key_ratios= and layer_ratios= do not apply")
-        return budget_config(DEFAULT_BAVG if bavg is None else bavg, **settings)
+            what = "chooses tiers by itself" if ratios == "auto" else "takes an artifact's shares"
+            raise ValueError(f"ratios={ratios!r} {what}: key_ratios= and layer_ratios= do not apply")
+        if ratios == "auto":
+            return budget_config(DEFAULT_BAVG if bavg is None else bavg, **settings)
+        ratios = None
     if ratios is not None:
         ratios = TierRatios.coerce(ratios)
         key_ratios = None if key_ratios is None else TierRatios.coerce(key_ratios)
@@ -76,18 +89,23 @@ def resolve_config(model, bavg=None, ratios=None, artifact=None, key_ratios=None
         )
     shipped = artifacts.find_shipped(fingerprint, bavg, matched)
     if shipped is not None:
-        return HqeKVConfig(
+        config = HqeKVConfig(
             ratios=shipped.ratios, key_ratios=shipped.key_ratios, layer_ratios=shipped.layer_ratios, bavg=bavg,
             ratios_source=f"shipped:{shipped.path.name}", **settings,
         )
+        if calibrated or shipped.path.name not in artifacts.SUPERSEDED:
+            return config
+        bits = allocation.ratio_bits(config, head_dim_of(model), model.dtype)
+        return budget_config(bits, source=f"rate-distortion at the bytes of shipped:{shipped.path.name}", **settings)
+    if calibrated:
+        raise artifacts.ArtifactError(
+            f"ratios='calibrated': no calibrated artifact for {name!r} at bavg={bavg:g} with these settings (looked "
+            f"in {_looked_in(name)}); run `hqekv calibrate --model ...`, pass artifact=..., or use ratios='auto'"
+        )
     if bavg >= MAX_BAVG:  # 16 bits: nothing to allocate, every chunk stays full precision
         return HqeKVConfig(ratios=FP16_RATIOS, bavg=bavg, ratios_source="full precision", **settings)
-    from .user_cache import artifacts_dir
-
-    repo = artifacts.hub_repo(name)
-    looked = f"{artifacts_dir()}, the shipped ones" + (f" and the local Hub cache of {repo}" if repo else "")
     warnings.warn(
-        f"hqekv: no calibrated ratios for {name!r} at bavg={bavg:g} (looked in {looked}); the rate-distortion "
+        f"hqekv: no calibrated ratios for {name!r} at bavg={bavg:g} (looked in {_looked_in(name)}); the rate-distortion "
         f"allocator chooses the tiers (ratios='auto': {bavg:g} real bits per element of chunk storage, metadata "
         "included). Run `hqekv calibrate --model ...` (patch_model then finds its artifact by itself), pass "
         "artifact=... or ratios=... to use calibrated or fixed shares.",
@@ -95,6 +113,15 @@ def resolve_config(model, bavg=None, ratios=None, artifact=None, key_ratios=None
         stacklevel=3,
     )
     return budget_config(bavg, **settings)
+
+
+def _looked_in(name: str) -> str:
+    """Where :func:`resolve_config` looks for a model's artifacts by itself, in words."""
+    from . import artifacts
+    from .user_cache import artifacts_dir
+
+    repo = artifacts.hub_repo(name)
+    return f"{artifacts_dir()}, the shipped ones" + (f" and the local Hub cache of {repo}" if repo else "")
 
 
 def head_dim_of(model) -> int:

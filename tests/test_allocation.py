@@ -220,6 +220,24 @@ def chunk_bytes_of(layer) -> torch.Tensor:
     return torch.where(kept, bytes_k[table.k_tier.clamp(0, 3)] + bytes_v[table.v_tier.clamp(0, 3)], 0.0).sum(1)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_ratio_bits_are_the_real_bits_a_cache_under_those_shares_holds(dtype):
+    values = hqekv.TierRatios(fp16=0.1, int4=0.3, int2=0.2, int1=0.2, evict=0.2)
+    keys = hqekv.TierRatios(fp16=0.2, int4=0.2, int2=0.2, int1=0.2, evict=0.2)
+    model = tiny_llama().to(dtype)
+    hqekv.patch_model(model, ratios=values, key_ratios=keys, protected_chunks=0)
+    cache = hqekv.new_cache(model)
+    with torch.no_grad():
+        model(input_ids=torch.randint(1, 128, (1, 20 * 32), generator=torch.Generator().manual_seed(0)), cache=cache)
+    bits = allocation.ratio_bits(hqekv.patch_config(model), model.config.head_dim, dtype)
+    hqekv.unpatch_model(model)
+    for layer in cache.hqekv_layers:  # 20 chunks: every share is a whole number of them
+        assert layer.counters.n_chunks.tolist() == [20] and layer.counters.n_evicted.tolist() == [4]
+        elements = 20 * 2 * layer.num_kv_heads * 32 * layer.head_dim
+        assert chunk_bytes_of(layer).item() * 8 / elements == pytest.approx(bits, rel=1e-12)
+    assert bits > (values.bavg + keys.bavg) / 2  # the code bits, without the metadata
+
+
 @pytest.mark.parametrize("bavg", [0.5, 1.0, 2.0, 3.2, 6.0])
 def test_the_budget_holds_at_every_rerank_through_prefill_and_decode(bavg):
     model = tiny_llama(layers=3)

@@ -6,6 +6,7 @@ import torch
 
 import hqekv
 from hqekv import artifacts
+from hqekv.allocation import ratio_bits
 from hqekv.artifacts import ArtifactError, load_artifact, model_fingerprint, save_artifact
 from hqekv.calibration import ratios_from_free
 from hqekv.cli import main
@@ -197,6 +198,43 @@ def test_shipped_artifacts_resolve_without_arguments(tmp_path, model, monkeypatc
     hqekv.unpatch_model(model)
     with pytest.warns(hqekv.UncalibratedRatiosWarning):  # other settings: the shipped ratios do not apply
         hqekv.patch_model(model, 2.0, chunk_size=64, rerank_interval=64)
+
+
+def test_a_superseded_shipped_artifact_gives_way_to_the_allocator_at_its_bytes(tmp_path, model, monkeypatch):
+    monkeypatch.setattr(artifacts, "SHIPPED_DIR", tmp_path)
+    path = save_artifact(tmp_path, RATIOS, metadata(model))
+    monkeypatch.setattr(artifacts, "SUPERSEDED", (path.name,))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the artifact was found: no UncalibratedRatiosWarning
+        hqekv.patch_model(model, 2.0)
+    config = hqekv.patch_config(model)
+    hqekv.unpatch_model(model)
+    shares = hqekv.HqeKVConfig(ratios=RATIOS, bavg=2.0, value_group=config.value_group)
+    bits = ratio_bits(shares, model.config.head_dim, model.dtype)
+    assert config.allocation == "rate-distortion" and config.bavg == pytest.approx(bits)
+    assert bits > 2.0  # the shares name code bits; their metadata costs more
+    assert config.ratios_source == f"rate-distortion at the bytes of shipped:{path.name}"
+
+    hqekv.patch_model(model, 2.0, ratios="calibrated")  # the artifact itself, superseded or not
+    config = hqekv.patch_config(model)
+    hqekv.unpatch_model(model)
+    assert config.ratios == RATIOS and config.allocation == "ratios" and config.ratios_source == f"shipped:{path.name}"
+    assert load_artifact(path).superseded and "superseded: patch_model runs" in load_artifact(path).describe()
+    copy = save_artifact(tmp_path / "elsewhere", RATIOS, metadata(model))  # the same file name, not the shipped one
+    assert copy.name == path.name and not load_artifact(copy).superseded
+
+
+def test_calibrated_ratios_insist_on_an_artifact(tmp_path, model, monkeypatch, own_artifacts):
+    monkeypatch.setattr(artifacts, "SHIPPED_DIR", tmp_path)
+    with pytest.raises(ArtifactError, match=r"ratios='calibrated': no calibrated artifact .* at bavg=2 .*ratios='auto'"):
+        hqekv.patch_model(model, 2.0, ratios="calibrated")
+    with pytest.raises(ValueError, match="takes an artifact's shares"):
+        hqekv.patch_model(model, 2.0, ratios="calibrated", layer_ratios=[RATIOS, RATIOS])
+    assert not hqekv.is_patched(model)
+    save_artifact(own_artifacts, RATIOS, metadata(model))  # one of the user's own
+    hqekv.patch_model(model, 2.0, ratios="calibrated")
+    assert hqekv.patch_config(model).ratios == RATIOS
+    hqekv.unpatch_model(model)
 
 
 def test_shipped_artifacts_are_valid():

@@ -38,9 +38,12 @@ def test_fp16_ratios_reproduce_and_a_pass_key_survives_bavg_3_2(name, request):
     finally:
         hqekv.unpatch_model(model)
 
-    hqekv.patch_model(model, bavg=3.2)  # the ratios shipped for this model
+    hqekv.patch_model(model, bavg=3.2)  # the ratios shipped for this model; Gemma3: the allocator at their bytes
     try:
-        assert hqekv.patch_config(model).ratios_source.startswith("shipped:")
+        config = hqekv.patch_config(model)
+        superseded = name == "gemma3"
+        assert config.ratios_source.startswith("rate-distortion at the bytes of shipped:" if superseded else "shipped:")
+        assert (config.allocation == "rate-distortion") == superseded
         cache = hqekv.new_cache(model)
         out = _generate(model, inputs, 12, cache=cache)
     finally:

@@ -9,14 +9,17 @@
   ranked by the window queries' attention (SnapKV/H2O-style, ``eviction="key"``); the kept
   share is ``(B + METADATA_BITS) / 16``, what ``kivi:B`` costs with its 16-bit scale and
   zero per group.
-- ``hqekv:B``: ``patch_model(model, B)``: calibrated ratios when an artifact fits,
-  else the rate-distortion allocator at B real bits (the result records which).
-- ``paper:B``: the paper's setting: the calibrated ratios of ``hqekv:B`` as one set for
+- ``hqekv:B``: ``patch_model(model, B)``: calibrated ratios when an artifact fits, the
+  rate-distortion allocator at the artifact's real bytes where it superseded a shipped
+  artifact, else the allocator at B real bits (the result records which).
+- ``calibrated:B``: ``patch_model(model, B, ratios="calibrated")``: the calibrated
+  artifact, even where the allocator superseded it.
+- ``paper:B``: the paper's setting: the calibrated ratios of ``calibrated:B`` as one set for
   every layer (without an artifact's per-layer budgets), no rotation; ``rpaper:B`` the same,
   rotated. ``rhqekv:B``: ``hqekv:B`` with the Hadamard
   rotation (the default until it lost on Qwen2.5 and Gemma3; the ablation of
   ``docs/results.md``, ``benchmarks/ablation.py``, adds the other variants).
-- ``random:B``: the control of the importance metric: the tier counts of ``hqekv:B``
+- ``random:B``: the control of the importance metric: the tier counts of ``calibrated:B``
   (same ratios, same protected chunks), chunks assigned at random
   (``importance="random"``).
 - ``auto:B``: ``patch_model(model, B, ratios="auto")``: no ratios; every re-rank chooses
@@ -41,7 +44,10 @@ from dataclasses import dataclass
 
 from ..config import TierRatios, check_bavg, uncalibrated_ratios
 
-KINDS = ("fp16", "kivi", "rkivi", "evict", "hqekv", "rhqekv", "random", "quanto", "paper", "rpaper", "auto", "fallback")
+KINDS = (
+    "fp16", "kivi", "rkivi", "evict", "hqekv", "rhqekv", "calibrated", "random", "quanto", "paper", "rpaper", "auto",
+    "fallback",
+)  # fmt: skip
 ONE_SET = ("paper", "rpaper")
 """Kinds that use the calibrated ratios as one set for every layer, without per-layer budgets."""
 KIVI_BITS = {4: "int4", 2: "int2", 1: "int1"}
@@ -77,7 +83,9 @@ class Method:
         if self.kind == "fallback":
             return {"bavg": self.bits, "ratios": uncalibrated_ratios(self.bits)}
         if self.kind == "random":
-            return {"bavg": self.bits, "importance": "random"}
+            return {"bavg": self.bits, "ratios": "calibrated", "importance": "random"}
+        if self.kind == "calibrated":
+            return {"bavg": self.bits, "ratios": "calibrated"}
         if self.kind == "paper":
             return {"bavg": self.bits, "rotation": None}
         if self.kind in ("rhqekv", "rpaper"):
@@ -108,7 +116,8 @@ class Method:
 
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                kwargs = {**kwargs, "ratios": resolve_config(model, self.bits).ratios}  # one set, not per layer
+                calibrated = resolve_config(model, self.bits, ratios="calibrated")
+                kwargs = {**kwargs, "ratios": calibrated.ratios}  # one set, not per layer
         if kwargs is None:
             yield None
             return
@@ -127,7 +136,7 @@ def parse_method(spec: str) -> Method:
     if not match or match.group(1) not in KINDS:
         raise ValueError(
             f"unknown method {spec!r}; use fp16, kivi:B or rkivi:B (B in 1, 2, 4), evict:B, hqekv:B, rhqekv:B, "
-            "random:B, quanto:B (B in 2, 4), paper:B, rpaper:B, auto:B or fallback:B"
+            "calibrated:B, random:B, quanto:B (B in 2, 4), paper:B, rpaper:B, auto:B or fallback:B"
         )
     kind, bits = match.group(1), match.group(2)
     if kind == "fp16":

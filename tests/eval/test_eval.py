@@ -20,6 +20,7 @@ def test_parse_method():
     assert parse_method("hqekv:3.2").name == "hqekv:3.2"
     assert parse_method("quanto:4") == Method("quanto", 4.0) and parse_method("random:2").name == "random:2"
     assert parse_method("paper:3.2") == Method("paper", 3.2) and parse_method("rkivi:4").name == "rkivi:4"
+    assert parse_method("calibrated:2") == Method("calibrated", 2.0)
     for bad in ["fp8", "kivi:3", "rkivi:3", "kivi", "fp16:2", "evict:16", "hqekv:0", "hqekv:x", "quanto:3", "quanto",
                 "random", "paper", "hqekv-foo:2"]:
         with pytest.raises(ValueError):
@@ -33,7 +34,8 @@ def test_equal_memory_settings():
     # full-precision chunks cost 16 bits whatever the model dtype; kivi:2 costs 2 + 0.75 metadata bits
     assert evict["ratios"].fp16 == pytest.approx(2.75 / 16) and evict["eviction"] == "key"
     assert parse_method("fp16").patch_kwargs() is None and parse_method("quanto:2").patch_kwargs() is None
-    assert parse_method("random:3.2").patch_kwargs() == {"bavg": 3.2, "importance": "random"}
+    assert parse_method("random:3.2").patch_kwargs() == {"bavg": 3.2, "ratios": "calibrated", "importance": "random"}
+    assert parse_method("calibrated:2").patch_kwargs() == {"bavg": 2.0, "ratios": "calibrated"}
     # the published baselines are unrotated; rkivi is the rotated tier alone
     assert kivi["rotation"] is None and evict["rotation"] is None
     assert parse_method("rkivi:2").patch_kwargs()["rotation"] == "hadamard"
@@ -263,6 +265,9 @@ def test_a_method_the_model_cannot_take_fails_before_any_sample_runs():
     check_methods(model, [parse_method(m) for m in ("fp16", "hqekv:2", "evict:2")])
     with pytest.raises(ValueError, match="method quanto:4 cannot run on this model: .*sliding"):
         check_methods(model, [parse_method(m) for m in ("fp16", "quanto:4")])
+    for method in ("calibrated:2", "paper:2", "random:2"):  # they need an artifact, which this model has not
+        with pytest.raises(ValueError, match=f"method {method} cannot run on this model: ratios='calibrated': no calib"):
+            check_methods(model, [parse_method(method)])
     calls = []
 
     class Probe:  # a task that records it ran: it must not, when a later method cannot run
