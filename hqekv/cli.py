@@ -306,16 +306,20 @@ def _info(args) -> int:
 
         config = model_config(args.model, args.gguf_file)
         fingerprint = model_fingerprint(config)
-        shipped = [str(p.name) for p in shipped_artifacts() if load_artifact(p).fingerprint == fingerprint]
+        fitting = [a for a in map(load_artifact, shipped_artifacts()) if a.fingerprint == fingerprint]
+        shipped = [a.path.name for a in fitting]
+        superseded = [a.path.name for a in fitting if a.superseded]
+        listed = [n + (" (superseded: the allocator runs at its bytes)" if n in superseded else "") for n in shipped]
         fields = fingerprint_fields(config)
         supported = fields["model_type"] in SUPPORTED_MODEL_TYPES
         text = "\n".join(
             [f"{args.model}", f"  config fingerprint: {fingerprint}", f"  supported by hqekv: {supported}"]
             + [f"  {k}: {v}" for k, v in fields.items()]
-            + [f"  shipped artifacts: {', '.join(shipped) or 'none'}"]
+            + [f"  shipped artifacts: {', '.join(listed) or 'none'}"]
         )
         records.append(("model", text, {"model": args.model, "config_fingerprint": fingerprint,
-                                        "supported": supported, **fields, "shipped_artifacts": shipped}))
+                                        "supported": supported, **fields, "shipped_artifacts": shipped,
+                                        "superseded_artifacts": superseded}))  # fmt: skip
     if args.json:
         print(json.dumps([r[2] for r in records], indent=1))
     else:

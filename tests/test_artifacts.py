@@ -224,6 +224,18 @@ def test_a_superseded_shipped_artifact_gives_way_to_the_allocator_at_its_bytes(t
     assert copy.name == path.name and not load_artifact(copy).superseded
 
 
+def test_cli_info_on_a_model_names_its_superseded_artifacts(tmp_path, model, monkeypatch, capsys):
+    monkeypatch.setattr(artifacts, "SHIPPED_DIR", tmp_path / "shipped")
+    path = save_artifact(tmp_path / "shipped", RATIOS, metadata(model))
+    model.config.save_pretrained(tmp_path / "model")
+    assert main(["info", "--model", str(tmp_path / "model"), "--json"]) == 0
+    (record,) = json.loads(capsys.readouterr().out)
+    assert record["shipped_artifacts"] == [path.name] and record["superseded_artifacts"] == []
+    monkeypatch.setattr(artifacts, "SUPERSEDED", (path.name,))
+    assert main(["info", "--model", str(tmp_path / "model")]) == 0
+    assert f"shipped artifacts: {path.name} (superseded: the allocator runs at its bytes)" in capsys.readouterr().out
+
+
 def test_calibrated_ratios_insist_on_an_artifact(tmp_path, model, monkeypatch, own_artifacts):
     monkeypatch.setattr(artifacts, "SHIPPED_DIR", tmp_path)
     with pytest.raises(ArtifactError, match=r"ratios='calibrated': no calibrated artifact .* at bavg=2 .*ratios='auto'"):

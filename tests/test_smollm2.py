@@ -101,3 +101,4 @@ def test_cli_info_on_the_model_lists_its_shipped_artifacts(capsys):
     assert sorted(record["shipped_artifacts"]) == sorted(
         f"smollm2-135m-instruct-bavg{b}.safetensors" for b in ("2", "2.8", "3.2", "3.25")
     )
+    assert record["superseded_artifacts"] == []  # SmolLM2's artifacts stay its default
