@@ -309,7 +309,7 @@ def _info(args) -> int:
         fitting = [a for a in map(load_artifact, shipped_artifacts()) if a.fingerprint == fingerprint]
         shipped = [a.path.name for a in fitting]
         superseded = [a.path.name for a in fitting if a.superseded]
-        listed = [n + (" (superseded: the allocator runs at its bytes)" if n in superseded else "") for n in shipped]
+        listed = [a.path.name + (" (superseded: the allocator runs at its bytes)" if a.superseded else "") for a in fitting]
         fields = fingerprint_fields(config)
         supported = fields["model_type"] in SUPPORTED_MODEL_TYPES
         text = "\n".join(

@@ -310,7 +310,7 @@ class HqeKVLayer(RowStateLayer):
         numbers once re-ranks have moved some chunks of one component down and not the other's.
         """
         rows, cols = ok.nonzero(as_tuple=True)
-        slots = [self.pools[c].append(FP16, new[rows, cols].to(self.fp_dtype), self.capacity)
+        slots = [self.pools[c].append_fp16(new[rows, cols].to(self.fp_dtype), self.capacity)
                  for c, new in ((KEY, fk), (VALUE, fv))]  # fmt: skip
         self.table.append_fp16(ok, self.counters.n_chunks, *slots, self.capacity)
         self.counters.n_chunks += ok.sum(1)

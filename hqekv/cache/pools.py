@@ -138,15 +138,15 @@ class ComponentPools:
             x[start:end] = y
         self.used[t] = max(self.used[t], end)
 
-    def append(self, t: int, new: torch.Tensor, capacity: Capacity) -> torch.Tensor:
-        """Store FP16 chunks ``new`` (N, H, G, D) after tier ``t``'s slots in use (:meth:`store`)
+    def append_fp16(self, new: torch.Tensor, capacity: Capacity) -> torch.Tensor:
+        """Store FP16 chunks ``new`` (N, H, G, D) after the FP16 slots in use (:meth:`store`)
         -> their slots (N,) int64."""
-        start = self.used[t]
-        self.store(t, start, new, capacity)
+        start = self.used[FP16]
+        self.store(FP16, start, new, capacity)
         return start + torch.arange(new.shape[0], device=new.device)
 
     def mark_dynamic(self) -> None:
-        """Tell ``torch.compile`` that the pools' slot counts vary (:meth:`HqeKVLayer.mark_for_compile`)."""
+        """Tell ``torch.compile`` that the pools' slot counts vary (:meth:`HqeKVLayer._mark_for_compile`)."""
         for t in self.op_order():
             torch._dynamo.decorators.mark_unbacked(t, 0)
 

@@ -97,7 +97,7 @@ class ChunkTable(RowPart):
             own[:, : new.shape[1]] = new
 
     def mark_dynamic(self) -> None:
-        """Tell ``torch.compile`` that the width varies (:meth:`HqeKVLayer.mark_for_compile`):
+        """Tell ``torch.compile`` that the width varies (:meth:`HqeKVLayer._mark_for_compile`):
         column-major, so that the width is in no stride, and marked unbacked."""
         self._replace(column_major(t) for t in self.tensors())
         for t in self.tensors():
