@@ -71,46 +71,52 @@ if HAVE_TRITON:
 
     @triton.jit
     def load_key_tile(
-        codes_ptr, m0_ptr, m1_ptr, centres_ptr, slot, head,
-        s_c0, s_c1, s_cd, s_cw, s_m0, s_m1, s_md,
+        pool, strides, centres_ptr, slot, head,
         G, D, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BITS: tl.constexpr, NORMALIZED: tl.constexpr,
     ):  # fmt: skip
         """One key chunk (G tokens, per-channel groups) -> (BLOCK_G, BLOCK_D) fp32.
 
+        pool: the (codes, meta0, meta1) pointers of a packed key pool; strides: the codes'
+        (slot, head, channel, word) and the metadata's (slot, head, channel), in elements.
         Each channel's words are read once, coalesced, and expanded in registers
         (BLOCK_G must be a multiple of 32 / BITS). Token rows past G hold finite filler.
         """
+        codes_ptr, m0_ptr, m1_ptr = pool
+        s_c, s_m = strides
         PER_WORD: tl.constexpr = 32 // BITS
         BLOCK_W: tl.constexpr = BLOCK_G // PER_WORD
         d = tl.arange(0, BLOCK_D)
         w = tl.arange(0, BLOCK_W)
         n_words = (G + PER_WORD - 1) // PER_WORD
-        base = slot.to(tl.int64) * s_c0 + head * s_c1
-        words = tl.load(codes_ptr + base + d[:, None] * s_cd + w[None, :] * s_cw,
+        base = slot.to(tl.int64) * s_c[0] + head * s_c[1]
+        words = tl.load(codes_ptr + base + d[:, None] * s_c[2] + w[None, :] * s_c[3],
                         mask=(d[:, None] < D) & (w[None, :] < n_words), other=0)  # fmt: skip
         shifts = tl.arange(0, PER_WORD) * BITS
         codes = (words[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)  # expanded in registers
         codes = tl.trans(tl.reshape(codes, (BLOCK_D, BLOCK_G)))  # (BLOCK_G, BLOCK_D)
-        mbase = slot.to(tl.int64) * s_m0 + head * s_m1
-        m0 = tl.load(m0_ptr + mbase + d * s_md, mask=d < D, other=0.0).to(tl.float32)
-        m1 = tl.load(m1_ptr + mbase + d * s_md, mask=d < D, other=0.0).to(tl.float32)
+        mbase = slot.to(tl.int64) * s_m[0] + head * s_m[1]
+        m0 = tl.load(m0_ptr + mbase + d * s_m[2], mask=d < D, other=0.0).to(tl.float32)
+        m1 = tl.load(m1_ptr + mbase + d * s_m[2], mask=d < D, other=0.0).to(tl.float32)
         return dequantize_tile(codes, m0[None, :], m1[None, :], centres_ptr, BITS, NORMALIZED)
 
     @triton.jit
     def load_value_tile(
-        codes_ptr, m0_ptr, m1_ptr, centres_ptr, slot, head,
-        s_c0, s_c1, s_cg, s_cn, s_cw, s_m0, s_m1, s_mg, s_mn,
+        pool, strides, centres_ptr, slot, head,
         G, D, GROUP, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BITS: tl.constexpr, NORMALIZED: tl.constexpr,
         PACKED: tl.constexpr,
     ):  # fmt: skip
         """One value chunk (per-token groups of GROUP channels) -> (BLOCK_G, BLOCK_D) fp32.
 
+        pool: the (codes, meta0, meta1) pointers of a packed value pool; strides: the codes'
+        (slot, head, token, group, word) and the metadata's (slot, head, token, group).
         PACKED (GROUP a power of two >= 32 with BLOCK_D = GROUP · 2^k): each token's words are
         read once and expanded in registers; otherwise each element reads its word.
         """
+        codes_ptr, m0_ptr, m1_ptr = pool
+        s_c, s_m = strides
         PER_WORD: tl.constexpr = 32 // BITS
-        mbase = slot.to(tl.int64) * s_m0 + head * s_m1
-        base = slot.to(tl.int64) * s_c0 + head * s_c1
+        mbase = slot.to(tl.int64) * s_m[0] + head * s_m[1]
+        base = slot.to(tl.int64) * s_c[0] + head * s_c[1]
         if PACKED:
             BLOCK_W: tl.constexpr = 32 // PER_WORD  # words of one group of 32 channels
             BLOCK_NG: tl.constexpr = BLOCK_D // 32
@@ -118,7 +124,7 @@ if HAVE_TRITON:
             gi = tl.arange(0, BLOCK_NG)[None, :, None]
             w = tl.arange(0, BLOCK_W)[None, None, :]
             n_groups = (D + GROUP - 1) // GROUP
-            words = tl.load(codes_ptr + base + j * s_cg + gi * s_cn + w * s_cw,
+            words = tl.load(codes_ptr + base + j * s_c[2] + gi * s_c[3] + w * s_c[4],
                             mask=(j < G) & (gi < n_groups), other=0)  # fmt: skip
             shifts = tl.arange(0, PER_WORD) * BITS
             codes = (words[:, :, :, None] >> shifts[None, None, None, :]) & ((1 << BITS) - 1)
@@ -126,8 +132,8 @@ if HAVE_TRITON:
             jm = tl.arange(0, BLOCK_G)[:, None]
             gm = tl.arange(0, BLOCK_NG)[None, :]
             m_ok = (jm < G) & (gm < n_groups)
-            m0 = tl.load(m0_ptr + mbase + jm * s_mg + gm * s_mn, mask=m_ok, other=0.0).to(tl.float32)
-            m1 = tl.load(m1_ptr + mbase + jm * s_mg + gm * s_mn, mask=m_ok, other=0.0).to(tl.float32)
+            m0 = tl.load(m0_ptr + mbase + jm * s_m[2] + gm * s_m[3], mask=m_ok, other=0.0).to(tl.float32)
+            m1 = tl.load(m1_ptr + mbase + jm * s_m[2] + gm * s_m[3], mask=m_ok, other=0.0).to(tl.float32)
             m0 = tl.reshape(tl.broadcast_to(m0[:, :, None], (BLOCK_G, BLOCK_NG, 32)), (BLOCK_G, BLOCK_D))
             m1 = tl.reshape(tl.broadcast_to(m1[:, :, None], (BLOCK_G, BLOCK_NG, 32)), (BLOCK_G, BLOCK_D))
             return dequantize_tile(codes, m0, m1, centres_ptr, BITS, NORMALIZED)
@@ -137,45 +143,37 @@ if HAVE_TRITON:
             ok = (j < G) & (d < D)
             gi = d // GROUP
             idx = d % GROUP
-            words = tl.load(codes_ptr + base + j * s_cg + gi * s_cn + (idx // PER_WORD) * s_cw, mask=ok, other=0)
+            words = tl.load(codes_ptr + base + j * s_c[2] + gi * s_c[3] + (idx // PER_WORD) * s_c[4], mask=ok, other=0)
             codes = (words >> ((idx % PER_WORD) * BITS)) & ((1 << BITS) - 1)
-            m0 = tl.load(m0_ptr + mbase + j * s_mg + gi * s_mn, mask=ok, other=0.0).to(tl.float32)
-            m1 = tl.load(m1_ptr + mbase + j * s_mg + gi * s_mn, mask=ok, other=0.0).to(tl.float32)
+            m0 = tl.load(m0_ptr + mbase + j * s_m[2] + gi * s_m[3], mask=ok, other=0.0).to(tl.float32)
+            m1 = tl.load(m1_ptr + mbase + j * s_m[2] + gi * s_m[3], mask=ok, other=0.0).to(tl.float32)
             return dequantize_tile(codes, m0, m1, centres_ptr, BITS, NORMALIZED)
 
 
     @triton.jit
     def _dequantize_kernel(
-        # pointers
-        codes_ptr, m0_ptr, m1_ptr, centres_ptr, out_ptr,
-        # sizes
+        pool, strides, centres_ptr, out_ptr, out_strides,
         H, G, D, GROUP,
-        # strides, in elements
-        s_c0, s_c1, s_c2, s_c3, s_c4,
-        s_m0, s_m1, s_m2, s_m3,
-        s_o0, s_o1, s_o2, s_o3,
-        # compile-time
         PER_CHANNEL: tl.constexpr, BITS: tl.constexpr, NORMALIZED: tl.constexpr, OUT_BF16: tl.constexpr,
         PACKED_V: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
     ):  # fmt: skip
-        """Program per (chunk, head): unpack + dequantize one (G, D) chunk."""
+        """Program per (chunk, head): unpack + dequantize one (G, D) chunk.
+
+        pool, strides: a packed pool as :func:`load_key_tile` (PER_CHANNEL) or
+        :func:`load_value_tile` read it; out_strides: the output's, in elements.
+        """
         pid = tl.program_id(0)
         slot = pid // H
         head = pid % H
         if PER_CHANNEL:
-            x = load_key_tile(
-                codes_ptr, m0_ptr, m1_ptr, centres_ptr, slot, head,
-                s_c0, s_c1, s_c2, s_c3, s_m0, s_m1, s_m2, G, D, BLOCK_G, BLOCK_D, BITS, NORMALIZED,
-            )  # fmt: skip
+            x = load_key_tile(pool, strides, centres_ptr, slot, head, G, D, BLOCK_G, BLOCK_D, BITS, NORMALIZED)
         else:
-            x = load_value_tile(
-                codes_ptr, m0_ptr, m1_ptr, centres_ptr, slot, head,
-                s_c0, s_c1, s_c2, s_c3, s_c4, s_m0, s_m1, s_m2, s_m3, G, D, GROUP, BLOCK_G, BLOCK_D, BITS, NORMALIZED,
-                PACKED_V,
-            )  # fmt: skip
+            x = load_value_tile(pool, strides, centres_ptr, slot, head, G, D, GROUP, BLOCK_G, BLOCK_D, BITS,
+                                NORMALIZED, PACKED_V)  # fmt: skip
         j = tl.arange(0, BLOCK_G)[:, None]
         d = tl.arange(0, BLOCK_D)[None, :]
-        out = out_ptr + slot.to(tl.int64) * s_o0 + head * s_o1 + j * s_o2 + d * s_o3
+        s_o = out_strides
+        out = out_ptr + slot.to(tl.int64) * s_o[0] + head * s_o[1] + j * s_o[2] + d * s_o[3]
         tl.store(out, cast_rne(x, out_ptr.dtype.element_ty, OUT_BF16), mask=(j < G) & (d < D))
 
 
@@ -199,13 +197,10 @@ def dequantize_triton(
     if out.numel() == 0:
         return out
     _, centres = normal_tables(bits, codes.device)
-    c_strides = (*codes.stride(), 0) if per_channel else codes.stride()
-    m_strides = (*meta0.stride(), 0) if per_channel else meta0.stride()
     torch._check(meta0.stride() == meta1.stride(), lambda: "meta0 and meta1 must share a layout")
     _dequantize_kernel[(n * h,)](
-        codes, meta0, meta1, centres, out,
+        (codes, meta0, meta1), (codes.stride(), meta0.stride()), centres, out, out.stride(),
         h, chunk_size, head_dim, group,
-        *c_strides, *m_strides, *out.stride(),
         PER_CHANNEL=per_channel, BITS=bits, NORMALIZED=normalized, OUT_BF16=dtype == torch.bfloat16,
         PACKED_V=packed_value_tiles(group, head_dim),
         BLOCK_G=max(32, next_power_of_2(chunk_size)), BLOCK_D=max(16, next_power_of_2(head_dim)),

@@ -440,34 +440,43 @@ if HAVE_TRITON:
         return m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None] + pv
 
     @triton.jit
+    def _fp16_tile(ptr, strides, slot, head, G, D, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
+        """One chunk of FP16 slots (slot, head, token, channel; channels contiguous) -> (BLOCK_G, BLOCK_D) fp32."""
+        j = tl.arange(0, BLOCK_G)[:, None]
+        d = tl.arange(0, BLOCK_D)[None, :]
+        offset = slot.to(tl.int64) * strides[0] + head * strides[1] + j * strides[2] + d
+        return tl.load(ptr + offset, mask=(j < G) & (d < D), other=0.0).to(tl.float32)
+
+    @triton.jit
     def _mixed_attention_kernel(
-        # new tokens
-        q_ptr, k_ptr, v_ptr, valid_ptr,
-        # key pools: fp16, then codes/meta0/meta1 of 4, 2, 1 bit
-        kf_ptr, k4c, k4a, k4b, k2c, k2a, k2b, k1c, k1a, k1b,
-        vf_ptr, v4c, v4a, v4b, v2c, v2a, v2b, v1c, v1a, v1b,
-        centres_ptr,
-        # chunk table, tail
-        kt_ptr, ks_ptr, vt_ptr, vs_ptr, tk_ptr, tv_ptr, tl_ptr,
-        # partial outputs (B, Hkv, SPLITS, BLOCK_R, D) and (B, Hkv, SPLITS, BLOCK_R)
-        o_ptr, m_ptr, l_ptr,
-        # sizes
+        new, new_strides, valid_ptr,
+        k_pools, k_strides, v_pools, v_strides, centres_ptr,
+        table, table_strides, tail, tail_strides, parts,
         HKV, GQ, S, G, D, GROUP, C, CPS, SPLITS, scaling,
-        # strides, in elements
-        s_qb, s_qh, s_qs, s_kb, s_kh, s_ks,
-        s_f0, s_f1, s_f2,
-        s_kc0, s_kc1, s_kcd, s_kcw, s_km0, s_km1, s_kmd,
-        s_k2c0, s_k2c1, s_k2cd, s_k2cw, s_k2m0, s_k2m1, s_k2md,
-        s_k1c0, s_k1c1, s_k1cd, s_k1cw, s_k1m0, s_k1m1, s_k1md,
-        s_vc0, s_vc1, s_vcg, s_vcn, s_vcw, s_vm0, s_vm1, s_vmg, s_vmn,
-        s_v2c0, s_v2c1, s_v2cg, s_v2cn, s_v2cw, s_v2m0, s_v2m1, s_v2mg, s_v2mn,
-        s_v1c0, s_v1c1, s_v1cg, s_v1cn, s_v1cw, s_v1m0, s_v1m1, s_v1mg, s_v1mn,
-        s_tb, s_tc, s_tab, s_tb1, s_th, s_tg,
-        # compile-time
         BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
         DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr, PACKED_V: tl.constexpr,
     ):  # fmt: skip
-        """Program per (row b, KV head h, split): rows r = (query head in group, new token) of q."""
+        """Program per (row b, KV head h, split): rows r = (query head in group, new token) of q.
+
+        Pointers come in tuples, each with the strides (in elements; channels contiguous) of
+        its tensors:
+        - new = (query, key, value); new_strides = the query's and the key's (row, head, token)
+          (the value shares the key's); valid_ptr (B, S) int8;
+        - k_pools, v_pools = (FP16 slots, then (codes, meta0, meta1) of the 4-, 2- and 1-bit
+          pools); k_strides, v_strides = (the slots' (slot, head, token), then (codes', meta's)
+          of each packed pool, as :func:`load_key_tile` / :func:`load_value_tile` read them);
+        - table = (k_tier, k_slot, v_tier, v_slot), sharing table_strides (row, chunk);
+        - tail = (tail_k, tail_v, tail_len); tail_strides = tail_k's (row, head, token) (tail_v
+          shares them) and tail_len's row stride;
+        - parts = (o, m, l): the partial outputs (B, Hkv, SPLITS, BLOCK_R, D) and (B, Hkv, SPLITS, BLOCK_R).
+        """
+        q_ptr, k_ptr, v_ptr = new
+        s_q, s_new = new_strides
+        kt_ptr, ks_ptr, vt_ptr, vs_ptr = table
+        s_tb, s_tc = table_strides
+        tk_ptr, tv_ptr, tl_ptr = tail
+        s_t, s_tl = tail_strides
+        o_ptr, m_ptr, l_ptr = parts
         # 1. program -> (b, h, split); the GQ·S query rows of this KV head
         pid = tl.program_id(0)
         split = tl.program_id(1)
@@ -479,7 +488,7 @@ if HAVE_TRITON:
         row_ok = r < GQ * S
         d = tl.arange(0, BLOCK_D)
         dm = d < D
-        q = tl.load(q_ptr + b.to(tl.int64) * s_qb + qh[:, None] * s_qh + qi[:, None] * s_qs + d[None, :],
+        q = tl.load(q_ptr + b.to(tl.int64) * s_q[0] + qh[:, None] * s_q[1] + qi[:, None] * s_q[2] + d[None, :],
                     mask=row_ok[:, None] & dm[None, :], other=0.0).to(DOT_DTYPE)  # fmt: skip
         m_i = tl.full((BLOCK_R,), -float("inf"), tl.float32)
         l_i = tl.zeros((BLOCK_R,), tl.float32)
@@ -487,10 +496,9 @@ if HAVE_TRITON:
         j = tl.arange(0, BLOCK_G)
         jg = j[:, None]
         in_chunk = (j < G)[None, :]
-        fp_tile = jg * s_f2 + d[None, :]
         fp_mask = (jg < G) & dm[None, :]
 
-        # 2. this split's chunks, each read at its own tier
+        # 2. this split's chunks, each read at its own tier (0 FP16, 1 4-bit, 2 2-bit, 3 1-bit)
         for c in range(split * CPS, tl.minimum(C, split * CPS + CPS)):
             kt = tl.load(kt_ptr + b * s_tb + c * s_tc)
             ks = tl.load(ks_ptr + b * s_tb + c * s_tc)
@@ -499,28 +507,25 @@ if HAVE_TRITON:
             if kt >= 0:
                 k = tl.zeros((BLOCK_G, BLOCK_D), tl.float32)
                 if kt == 0:
-                    k = tl.load(kf_ptr + ks.to(tl.int64) * s_f0 + h * s_f1 + fp_tile, mask=fp_mask, other=0.0).to(tl.float32)
+                    k = _fp16_tile(k_pools[0], k_strides[0], ks, h, G, D, BLOCK_G, BLOCK_D)
                 elif kt == 1:
-                    k = load_key_tile(k4c, k4a, k4b, centres_ptr, ks, h, s_kc0, s_kc1, s_kcd, s_kcw, s_km0, s_km1, s_kmd,
-                                      G, D, BLOCK_G, BLOCK_D, 4, False)  # fmt: skip
+                    k = load_key_tile(k_pools[1], k_strides[1], centres_ptr, ks, h, G, D, BLOCK_G, BLOCK_D, 4, False)
                 elif kt == 2:
-                    k = load_key_tile(k2c, k2a, k2b, centres_ptr, ks, h, s_k2c0, s_k2c1, s_k2cd, s_k2cw, s_k2m0, s_k2m1,
-                                      s_k2md, G, D, BLOCK_G, BLOCK_D, 2, False)  # fmt: skip
+                    k = load_key_tile(k_pools[2], k_strides[2], centres_ptr, ks, h, G, D, BLOCK_G, BLOCK_D, 2, False)
                 else:
-                    k = load_key_tile(k1c, k1a, k1b, centres_ptr, ks, h, s_k1c0, s_k1c1, s_k1cd, s_k1cw, s_k1m0, s_k1m1,
-                                      s_k1md, G, D, BLOCK_G, BLOCK_D, 1, True)  # fmt: skip
+                    k = load_key_tile(k_pools[3], k_strides[3], centres_ptr, ks, h, G, D, BLOCK_G, BLOCK_D, 1, True)
                 v = tl.zeros((BLOCK_G, BLOCK_D), tl.float32)
                 if vt == 0:
-                    v = tl.load(vf_ptr + vs.to(tl.int64) * s_f0 + h * s_f1 + fp_tile, mask=fp_mask, other=0.0).to(tl.float32)
+                    v = _fp16_tile(v_pools[0], v_strides[0], vs, h, G, D, BLOCK_G, BLOCK_D)
                 elif vt == 1:
-                    v = load_value_tile(v4c, v4a, v4b, centres_ptr, vs, h, s_vc0, s_vc1, s_vcg, s_vcn, s_vcw, s_vm0, s_vm1,
-                                        s_vmg, s_vmn, G, D, GROUP, BLOCK_G, BLOCK_D, 4, False, PACKED_V)  # fmt: skip
+                    v = load_value_tile(v_pools[1], v_strides[1], centres_ptr, vs, h, G, D, GROUP, BLOCK_G, BLOCK_D,
+                                        4, False, PACKED_V)  # fmt: skip
                 elif vt == 2:
-                    v = load_value_tile(v2c, v2a, v2b, centres_ptr, vs, h, s_v2c0, s_v2c1, s_v2cg, s_v2cn, s_v2cw, s_v2m0,
-                                        s_v2m1, s_v2mg, s_v2mn, G, D, GROUP, BLOCK_G, BLOCK_D, 2, False, PACKED_V)  # fmt: skip
+                    v = load_value_tile(v_pools[2], v_strides[2], centres_ptr, vs, h, G, D, GROUP, BLOCK_G, BLOCK_D,
+                                        2, False, PACKED_V)  # fmt: skip
                 else:
-                    v = load_value_tile(v1c, v1a, v1b, centres_ptr, vs, h, s_v1c0, s_v1c1, s_v1cg, s_v1cn, s_v1cw, s_v1m0,
-                                        s_v1m1, s_v1mg, s_v1mn, G, D, GROUP, BLOCK_G, BLOCK_D, 1, True, PACKED_V)  # fmt: skip
+                    v = load_value_tile(v_pools[3], v_strides[3], centres_ptr, vs, h, G, D, GROUP, BLOCK_G, BLOCK_D,
+                                        1, True, PACKED_V)  # fmt: skip
                 # the model sees the dequantized values in its own (the query's) dtype, as the reference does
                 k = k.to(q_ptr.dtype.element_ty).to(tl.float32)
                 v = v.to(q_ptr.dtype.element_ty).to(tl.float32)
@@ -528,14 +533,14 @@ if HAVE_TRITON:
 
         # 3. the last split adds the FP16 tail and the new tokens
         if split == SPLITS - 1:
-            n_tail = tl.load(tl_ptr + b * s_tb1)
-            t_base = b.to(tl.int64) * s_tab + h * s_th
-            t_off = jg * s_tg + d[None, :]
+            n_tail = tl.load(tl_ptr + b * s_tl)
+            t_base = b.to(tl.int64) * s_t[0] + h * s_t[1]
+            t_off = jg * s_t[2] + d[None, :]
             tk = tl.load(tk_ptr + t_base + t_off, mask=fp_mask, other=0.0).to(tl.float32)
             tv = tl.load(tv_ptr + t_base + t_off, mask=fp_mask, other=0.0).to(tl.float32)
             m_i, l_i, acc = _online_update(q, tk, tv, (j < n_tail)[None, :], m_i, l_i, acc, scaling, DOT_DTYPE, IEEE)
             sj = tl.arange(0, BLOCK_S)
-            n_off = b.to(tl.int64) * s_kb + h * s_kh + sj[:, None] * s_ks + d[None, :]
+            n_off = b.to(tl.int64) * s_new[0] + h * s_new[1] + sj[:, None] * s_new[2] + d[None, :]
             n_mask = (sj[:, None] < S) & dm[None, :]
             nk = tl.load(k_ptr + n_off, mask=n_mask, other=0.0).to(tl.float32)
             nv = tl.load(v_ptr + n_off, mask=n_mask, other=0.0).to(tl.float32)  # key and value share a layout
@@ -574,6 +579,15 @@ def triton_fits(query: torch.Tensor, key: torch.Tensor) -> bool:
     return query.shape[1] // max(1, key.shape[1]) * query.shape[2] <= TRITON_MAX_ROWS
 
 
+def _pools_and_strides(pools: list[torch.Tensor]) -> tuple[tuple, tuple]:
+    """A component's pools (in :data:`POOL_ORDER`) as the Triton kernel takes them: (FP16 slots,
+    then (codes, meta0, meta1) per packed tier) and their strides (the slots' first three, then
+    (codes', metadata's) per packed tier; meta1 shares meta0's layout)."""
+    packed = [quantized_pool(pools, t) for t in QUANTIZED_TIERS]
+    torch._check(all(m1.stride() == m0.stride() for _, m0, m1 in packed), lambda: "meta0 and meta1 must share a layout")
+    return (pools[0], *packed), (pools[0].stride()[:3], *((codes.stride(), m0.stride()) for codes, m0, _ in packed))
+
+
 def mixed_attention_triton(
     query, key, value, new_valid, cache: PackedCache, scaling: float, n_splits: int | None = None
 ) -> torch.Tensor:
@@ -606,26 +620,15 @@ def mixed_attention_triton(
     part_m = torch.full((b, hkv, splits, block_r), -math.inf, dtype=torch.float32, device=query.device)
     part_l = torch.zeros(b, hkv, splits, block_r, dtype=torch.float32, device=query.device)
     _, centres = normal_tables(1, query.device)
-    quantized_strides = []
-    for pools in (k_pools, v_pools):
-        for t in QUANTIZED_TIERS:
-            codes, m0, _ = quantized_pool(pools, t)
-            quantized_strides += [*codes.stride(), *m0.stride()]
-    fp = k_pools[0]
-    torch._check(v_pools[0].stride() == fp.stride(), lambda: "key and value FP16 pools must share a layout")
     dot_dtype = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}.get(query.dtype, tl.float32)
     if INTERPRET and dot_dtype == tl.bfloat16:
         dot_dtype = tl.float32  # the interpreter has no bf16 matmul (numpy); GPUs multiply bf16 natively
     _mixed_attention_kernel[(b * hkv, splits)](
-        query, key, value, new_valid.to(torch.int8).contiguous(),
-        *k_pools, *v_pools, centres,
-        *tables, tail_k, tail_v, tail_len,
-        part_o, part_m, part_l,
+        (query, key, value), (query.stride()[:3], key.stride()[:3]), new_valid.to(torch.int8).contiguous(),
+        *_pools_and_strides(k_pools), *_pools_and_strides(v_pools), centres,
+        tuple(tables), tables[0].stride(), (tail_k, tail_v, tail_len), (tail_k.stride()[:3], tail_len.stride(0)),
+        (part_o, part_m, part_l),
         hkv, gq, s, g, d, value_group, c, cps, splits, scaling,
-        query.stride(0), query.stride(1), query.stride(2), key.stride(0), key.stride(1), key.stride(2),
-        fp.stride(0), fp.stride(1), fp.stride(2),
-        *quantized_strides,
-        tables[0].stride(0), tables[0].stride(1), tail_k.stride(0), tail_len.stride(0), tail_k.stride(1), tail_k.stride(2),
         BLOCK_R=block_r, BLOCK_G=max(32, next_power_of_2(g)), BLOCK_S=max(16, next_power_of_2(s)),
         BLOCK_D=max(16, next_power_of_2(d)), DOT_DTYPE=dot_dtype, IEEE=dot_dtype == tl.float32,
         PACKED_V=packed_value_tiles(value_group, d),

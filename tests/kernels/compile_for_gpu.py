@@ -30,8 +30,9 @@ mixed_attention = importlib.import_module("hqekv.kernels.mixed_attention")
 FLOATS = {"fp32": "*fp32", "fp16": "*fp16", "bf16": "*bf16"}
 
 
-def compile_kernel(kernel, pointers: dict[str, str], constexprs: dict, target: GPUTarget, floats=("scaling",)):
-    """Lower ``kernel`` with the given pointer types and constexprs; other arguments are i32 (fp32 in ``floats``)."""
+def compile_kernel(kernel, types: dict, constexprs: dict, target: GPUTarget, floats=("scaling",)):
+    """Lower ``kernel`` with the given argument types (a pointer type such as ``*fp16``, or a
+    tuple of types for a tuple argument) and constexprs; other arguments are i32 (fp32 in ``floats``)."""
     names = kernel.arg_names
     constant = {p.name for p in kernel.params if p.is_constexpr}
     missing = constant - set(constexprs)
@@ -41,48 +42,55 @@ def compile_kernel(kernel, pointers: dict[str, str], constexprs: dict, target: G
     for name in names:
         if name in constant:
             signature[name] = "constexpr"
-        elif name in pointers:
-            signature[name] = pointers[name]
+        elif name in types:
+            signature[name] = types[name]
         else:
             signature[name] = "fp32" if name in floats else "i32"
     source = ASTSource(fn=kernel, signature=signature, constexprs={(names.index(n),): v for n, v in constexprs.items()})
     return triton.compile(source, target=target)
 
 
+def strides(n: int) -> tuple:
+    return ("i32",) * n
+
+
 def variants(target: GPUTarget):
     """(description, thunk) for every kernel variant the launchers can ask for."""
     formats = [(4, False), (2, False), (1, True)]
     for (bits, normalized), dtype, meta in itertools.product(formats, ("fp32", "fp16", "bf16"), ("fp16", "bf16")):
-        pointers = {"x_ptr": FLOATS[dtype], "codes_ptr": "*i32", "m0_ptr": FLOATS[meta], "m1_ptr": FLOATS[meta],
+        types = {"x_ptr": FLOATS[dtype], "codes_ptr": "*i32", "m0_ptr": FLOATS[meta], "m1_ptr": FLOATS[meta],
                     "bounds_ptr": "*fp32"}  # fmt: skip
         constexprs = dict(BITS=bits, NORMALIZED=normalized, EPS_=1e-6, EXACT=True, META_BF16=meta == "bf16",
                           BLOCK_R=64, BLOCK_E=32)  # fmt: skip
-        yield f"quantize_pack {bits}-bit {dtype}/{meta}", lambda p=pointers, c=constexprs: compile_kernel(
-            quantize_pack._quantize_pack_kernel, p, c, target
+        yield f"quantize_pack {bits}-bit {dtype}/{meta}", lambda t=types, c=constexprs: compile_kernel(
+            quantize_pack._quantize_pack_kernel, t, c, target
         )
     for (bits, normalized), per_channel, packed in itertools.product(formats, (True, False), (True, False)):
         if per_channel and not packed:
             continue
-        pointers = {"codes_ptr": "*i32", "m0_ptr": "*fp16", "m1_ptr": "*fp16", "centres_ptr": "*fp32", "out_ptr": "*fp16"}
+        pool_strides = (strides(4), strides(3)) if per_channel else (strides(5), strides(4))
+        types = {"pool": ("*i32", "*fp16", "*fp16"), "strides": pool_strides, "centres_ptr": "*fp32",
+                 "out_ptr": "*fp16", "out_strides": strides(4)}  # fmt: skip
         constexprs = dict(PER_CHANNEL=per_channel, BITS=bits, NORMALIZED=normalized, OUT_BF16=False,
                           PACKED_V=packed, BLOCK_G=32, BLOCK_D=128 if packed else 16)  # fmt: skip
         yield f"dequantize {bits}-bit {'keys' if per_channel else 'values'}{' packed' if packed else ''}", (
-            lambda p=pointers, c=constexprs: compile_kernel(dequantize._dequantize_kernel, p, c, target)
+            lambda t=types, c=constexprs: compile_kernel(dequantize._dequantize_kernel, t, c, target)
         )
     for dtype, packed in itertools.product(("fp16", "bf16", "fp32"), (True, False)):
         model, meta = FLOATS[dtype], FLOATS["bf16" if dtype == "bf16" else "fp16"]
-        pointers = {n: model for n in ("q_ptr", "k_ptr", "v_ptr", "kf_ptr", "vf_ptr", "tk_ptr", "tv_ptr")}
-        for comp in ("k", "v"):
-            for bits in (4, 2, 1):
-                pointers[f"{comp}{bits}c"] = "*i32"
-                pointers[f"{comp}{bits}a"] = pointers[f"{comp}{bits}b"] = meta
-        pointers.update({"valid_ptr": "*i8", "centres_ptr": "*fp32", "kt_ptr": "*i64", "ks_ptr": "*i64", "vt_ptr": "*i64",
-                         "vs_ptr": "*i64", "tl_ptr": "*i64", "o_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32"})  # fmt: skip
+        packed_pool = ("*i32", meta, meta)
+        types = {
+            "new": (model,) * 3, "new_strides": (strides(3),) * 2, "valid_ptr": "*i8",
+            "k_pools": (model, *(packed_pool,) * 3), "k_strides": (strides(3), *((strides(4), strides(3)),) * 3),
+            "v_pools": (model, *(packed_pool,) * 3), "v_strides": (strides(3), *((strides(5), strides(4)),) * 3),
+            "centres_ptr": "*fp32", "table": ("*i64",) * 4, "table_strides": strides(2),
+            "tail": (model, model, "*i64"), "tail_strides": (strides(3), "i32"), "parts": ("*fp32",) * 3,
+        }  # fmt: skip
         dot = {"fp16": triton.language.float16, "bf16": triton.language.bfloat16, "fp32": triton.language.float32}[dtype]
         constexprs = dict(BLOCK_R=16, BLOCK_G=32, BLOCK_S=16, BLOCK_D=128 if packed else 16, DOT_DTYPE=dot,
                           IEEE=dtype == "fp32", PACKED_V=packed)  # fmt: skip
         yield f"mixed_attention {dtype}{' packed values' if packed else ''}", (
-            lambda p=pointers, c=constexprs: compile_kernel(mixed_attention._mixed_attention_kernel, p, c, target)
+            lambda t=types, c=constexprs: compile_kernel(mixed_attention._mixed_attention_kernel, t, c, target)
         )
 
 
