@@ -24,6 +24,7 @@ from typing import Iterable
 import torch
 
 from .config import EVICTION_CRITERIA, MAX_BAVG, TierRatios, check_one_evicted_set, layer_mean_bavg, mean_bavg
+from .user_cache import atomic_write
 
 FORMAT = "hqekv-ratios"
 FORMAT_VERSION = 1
@@ -167,7 +168,7 @@ def save_artifact(
     second tensor. ``layer_ratios``: per-layer budgets (one :class:`TierRatios` per global
     attention layer, averaging ``metadata["bavg"]``), stored as an (L, 5) tensor.
     """
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
     ratios = TierRatios.coerce(ratios)
     meta = {"format": FORMAT, "format_version": FORMAT_VERSION, **metadata, "ratios": list(ratios.as_tuple())}
@@ -196,8 +197,8 @@ def save_artifact(
         raise ArtifactError(f"ratios give bavg {mean_bavg(ratios, key_ratios):.4g}, metadata says {meta['bavg']}")
     out = Path(out)
     path = out if out.suffix == SUFFIX else out / artifact_filename(str(meta["model_id"]), float(meta["bavg"]))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(path), metadata={k: json.dumps(v) for k, v in meta.items()})
+    with atomic_write(path) as f:  # readable by all, and never found cut short by patch_model
+        f.write(save(tensors, metadata={k: json.dumps(v) for k, v in meta.items()}))
     return path
 
 

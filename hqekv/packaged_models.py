@@ -19,12 +19,10 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from .user_cache import cache_dir
+from .user_cache import atomic_write, cache_dir
 
 SMOLLM2 = "smollm2"
 SMOLLM2_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -50,21 +48,18 @@ class PackagedModel:
         target = cache_dir() / self.gguf
         if target.exists() and _sha256(target) == self.sha256:
             return target
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=target.parent, prefix=f".{self.gguf}.", delete=False) as out:
+        with atomic_write(target) as out:  # an interrupted or bad join never leaves a file in place
             for part in parts:
                 with part.open("rb") as f:
                     while block := f.read(1 << 24):
                         out.write(block)
-        digest = _sha256(Path(out.name))
-        if digest != self.sha256:
-            os.unlink(out.name)
-            raise ValueError(
-                f"{self.name}: the joined GGUF has sha256 {digest}, expected {self.sha256}; "
-                f"reinstall the parts: {self.install}"
-            )
-        os.chmod(out.name, 0o644)
-        os.replace(out.name, target)  # atomic: an interrupted join never leaves a bad file in place
+            out.flush()
+            digest = _sha256(Path(out.name))
+            if digest != self.sha256:
+                raise ValueError(
+                    f"{self.name}: the joined GGUF has sha256 {digest}, expected {self.sha256}; "
+                    f"reinstall the parts: {self.install}"
+                )
         return target
 
 

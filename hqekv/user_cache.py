@@ -9,8 +9,12 @@ packaged models joined from their parts (:mod:`hqekv.packaged_models`), and the 
 
 from __future__ import annotations
 
+import contextlib
 import os
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
+from typing import IO
 
 VARIABLE = "HQEKV_CACHE"
 ARTIFACTS = "artifacts"
@@ -26,3 +30,22 @@ def cache_dir() -> Path:
 def artifacts_dir() -> Path:
     """Where ``hqekv calibrate`` writes artifacts by default and ``patch_model`` looks for them."""
     return cache_dir() / ARTIFACTS
+
+
+@contextlib.contextmanager
+def atomic_write(target: Path) -> Iterator[IO[bytes]]:
+    """A binary file to write ``target`` through: a temporary file next to it that replaces
+    ``target`` in one step when the block ends, readable by all (mode 0644, as a file a user
+    writes; not the owner-only mode of a temporary file), and is removed if the block raises.
+    A reader never finds the file cut short, nor a half-written one in place of a good one."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    out = tempfile.NamedTemporaryFile(dir=target.parent, prefix=f".{target.name}.", delete=False)
+    try:
+        with out:
+            yield out
+        os.chmod(out.name, 0o644)
+        os.replace(out.name, target)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(out.name)
+        raise

@@ -34,6 +34,25 @@ def test_round_trip(saved, model):
     assert a.metadata["trials"] == 200 and a.metadata["format_version"] == artifacts.FORMAT_VERSION
 
 
+def test_artifacts_are_written_readable_by_all_and_whole(tmp_path, model, monkeypatch):
+    """safetensors' save_file creates owner-only files (0600): an artifact calibrated by one
+    user (a container built as root) was unreadable by the one serving it. And a write cut
+    short must leave the artifact that was there, not a truncated file patch_model finds."""
+    path = save_artifact(tmp_path, RATIOS, metadata(model))
+    assert path.stat().st_mode & 0o777 == 0o644
+    before = path.read_bytes()
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    import safetensors.torch
+
+    monkeypatch.setattr(safetensors.torch, "save", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        save_artifact(tmp_path, RATIOS, metadata(model))
+    assert path.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == [path.name]
+
+
 KEY_RATIOS = hqekv.TierRatios(int4=0.7, int2=0.1, int1=0.1, evict=0.1)
 VALUE_RATIOS = hqekv.TierRatios(int4=0.2, int2=0.5, int1=0.2, evict=0.1)  # bavg (3.1 + 2.0) / 2
 
