@@ -441,7 +441,8 @@ if HAVE_TRITON:
 
     @triton.jit
     def _fp16_tile(ptr, strides, slot, head, G, D, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
-        """One chunk of FP16 slots (slot, head, token, channel; channels contiguous) -> (BLOCK_G, BLOCK_D) fp32."""
+        """One FP16 chunk (slot, head, token, channel; channels contiguous): a slot of the FP16
+        pool, or a row's tail -> (BLOCK_G, BLOCK_D) fp32, zeros past G tokens and D channels."""
         j = tl.arange(0, BLOCK_G)[:, None]
         d = tl.arange(0, BLOCK_D)[None, :]
         offset = slot.to(tl.int64) * strides[0] + head * strides[1] + j * strides[2] + d
@@ -494,9 +495,7 @@ if HAVE_TRITON:
         l_i = tl.zeros((BLOCK_R,), tl.float32)
         acc = tl.zeros((BLOCK_R, BLOCK_D), tl.float32)
         j = tl.arange(0, BLOCK_G)
-        jg = j[:, None]
         in_chunk = (j < G)[None, :]
-        fp_mask = (jg < G) & dm[None, :]
 
         # 2. this split's chunks, each read at its own tier (0 FP16, 1 4-bit, 2 2-bit, 3 1-bit)
         for c in range(split * CPS, tl.minimum(C, split * CPS + CPS)):
@@ -534,10 +533,8 @@ if HAVE_TRITON:
         # 3. the last split adds the FP16 tail and the new tokens
         if split == SPLITS - 1:
             n_tail = tl.load(tl_ptr + b * s_tl)
-            t_base = b.to(tl.int64) * s_t[0] + h * s_t[1]
-            t_off = jg * s_t[2] + d[None, :]
-            tk = tl.load(tk_ptr + t_base + t_off, mask=fp_mask, other=0.0).to(tl.float32)
-            tv = tl.load(tv_ptr + t_base + t_off, mask=fp_mask, other=0.0).to(tl.float32)
+            tk = _fp16_tile(tk_ptr, s_t, b, h, G, D, BLOCK_G, BLOCK_D)  # a row's tail reads as one FP16 chunk
+            tv = _fp16_tile(tv_ptr, s_t, b, h, G, D, BLOCK_G, BLOCK_D)
             m_i, l_i, acc = _online_update(q, tk, tv, (j < n_tail)[None, :], m_i, l_i, acc, scaling, DOT_DTYPE, IEEE)
             sj = tl.arange(0, BLOCK_S)
             n_off = b.to(tl.int64) * s_new[0] + h * s_new[1] + sj[:, None] * s_new[2] + d[None, :]
