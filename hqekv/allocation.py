@@ -17,6 +17,11 @@ within ``bavg`` bits per element and the expected damage to attention is smalles
      ``D_K = Σ_q p_qn ‖v_n − o_q‖² s² Σ_d q_d² Δk_nd²`` (errors independent across channels);
    - eviction loses the token: ``D_E = Σ_q Σ_{n∈c} p_qn ‖v_n − o_q‖²``.
 
+   The window's queries are a sample of the queries to come, not all of them: with
+   :data:`PRIOR` > 0 each is priced as ``(1 − PRIOR)·p + PRIOR/N`` (:func:`with_prior`),
+   a share of a future query's attention spread evenly over the N tokens it sees, so that
+   evicting a chunk the window does not read still costs something.
+
    The "output" model (``ERROR_MODEL``) is the exact first-order error of the window
    queries' outputs instead (p² per token, the coherent ``(P o − Σ p v)/(1 − P)`` of an
    eviction): on development text it concentrated bytes on the few chunks the window looks
@@ -54,6 +59,10 @@ PROVISIONAL = 2.0
 """A multi-token input first keeps each layer within this many times its budget share; right
 after the forward, the cache shares the model's budget between its layers
 (:func:`share`), moving chunks only down, so a layer can end with up to this share."""
+PRIOR = 0.0
+"""Share of a future query's attention the window queries are not taken to predict, spread
+evenly over the tokens it sees (:func:`with_prior`): 0 prices every chunk by the window's
+attention alone."""
 BISECTION_STEPS = 48
 LAMBDA_RANGE = (-14.0, 14.0)
 """log10 of the price of a byte the bisection searches, with distortions and bytes of a row
@@ -121,6 +130,23 @@ def distortions(
             value_group, meta_dtype, error_model,
         )  # fmt: skip
     return d_k, d_v, d_evict, out.square().sum((1, 2, 3, 4))
+
+
+def with_prior(probs: torch.Tensor, visible: torch.Tensor, seen: torch.Tensor, prior: float | None = None) -> torch.Tensor:
+    """The window probabilities a future query is priced with: ``(1 − prior)·p + prior/N``.
+
+    probs (B, Hkv, g, m, n) float32 of some tokens, visible (B, m, n) bool of them, seen
+    (B, m) how many tokens each window query sees in the whole cache -> (B, Hkv, g, m, n);
+    ``prior`` defaults to :data:`PRIOR`. The window's last queries are a sample of the
+    queries to come; a share of the attention of those is not where the window looks, and
+    with nothing known of it it is spread evenly: eviction is priced for every chunk, not
+    only for those the window reads.
+    """
+    prior = PRIOR if prior is None else prior
+    if prior == 0:
+        return probs
+    even = visible.float() / seen.clamp(min=1)[..., None].float()  # (B, m, n)
+    return (1 - prior) * probs + prior * even[:, None, None]
 
 
 def window_outputs(probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:

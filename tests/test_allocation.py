@@ -238,8 +238,9 @@ def test_ratio_bits_are_the_real_bits_a_cache_under_those_shares_holds(dtype):
     assert bits > (values.bavg + keys.bavg) / 2  # the code bits, without the metadata
 
 
-@pytest.mark.parametrize("bavg", [0.5, 1.0, 2.0, 3.2, 6.0])
-def test_the_budget_holds_at_every_rerank_through_prefill_and_decode(bavg):
+@pytest.mark.parametrize("bavg, prior", [(0.5, 0.0), (1.0, 0.0), (2.0, 0.0), (3.2, 0.0), (6.0, 0.0), (1.0, 0.3)])
+def test_the_budget_holds_at_every_rerank_through_prefill_and_decode(bavg, prior, monkeypatch):
+    monkeypatch.setattr(hqekv.allocation, "PRIOR", prior)
     model = tiny_llama(layers=3)
     hqekv.patch_model(model, bavg, ratios="auto")
     ids = torch.randint(1, 128, (2, 1200), generator=torch.Generator().manual_seed(1))
@@ -324,3 +325,48 @@ def test_distortions_are_measured_only_where_a_chunk_can_move():
             assert not d[0, c, [x for x in range(4) if x not in below]].any()
         assert (full[0, :, 1:] > 0).all()  # the errors left out were not 0
     assert torch.equal(d_evict, full_evict)
+
+
+def test_the_prior_spreads_a_share_of_each_querys_attention_evenly_over_what_it_sees():
+    q, k, v, probs, visible = random_state(seed=4)
+    visible = visible.clone()
+    visible[:, :2, -40:] = False  # two queries see fewer tokens
+    probs = probs * visible[:, None, None]
+    probs = probs / probs.sum(-1, keepdim=True)
+    seen = visible.sum(-1)
+    assert allocation.with_prior(probs, visible, seen, prior=0.0) is probs
+    mixed = allocation.with_prior(probs, visible, seen, prior=0.25)
+    torch.testing.assert_close(mixed.sum(-1), torch.ones_like(mixed.sum(-1)))
+    assert (mixed[..., :2, -40:] == 0).all()  # nothing a query cannot see
+    even = (0.25 / seen[:, None, None, :, None]) * visible[:, None, None]
+    torch.testing.assert_close(mixed - 0.75 * probs, even.expand_as(mixed))
+    # tile by tile (each tile's columns, the whole cache's counts) as the cache prices it
+    tiles = [allocation.with_prior(probs[..., t : t + 64], visible[..., t : t + 64], seen, 0.25) for t in (0, 64, 128)]
+    torch.testing.assert_close(torch.cat(tiles, -1), mixed)
+
+
+def test_under_the_prior_chunks_the_window_does_not_read_are_quantized_before_they_are_evicted():
+    """The window queries read one chunk only. Priced by them alone, every other chunk is
+    free to evict, and the allocator evicts them all to spend the budget on that one; with
+    a share of a future query's attention spread evenly, losing a chunk costs something
+    everywhere, and the same bytes keep the chunks at low bits."""
+    q, k, v, _, visible = random_state(seed=5, hkv=1, g=1)
+    q[:] = q[:, :, :1]  # the window's queries all look one way, at the first chunk
+    k[:, :, 32:] = k[:, :, 32:] * 0.01
+    k[:, :, :32] = q[:, :, :1] * 8
+    pos = torch.arange(k.shape[2])[None]
+    ones_q, ones_k = torch.ones(1, 4, dtype=torch.bool), torch.ones(1, k.shape[2], dtype=torch.bool)
+    probs, visible = importance.window_probabilities(q, pos[:, -4:] + k.shape[2], ones_q, k, pos, ones_k, 0.25)
+    assert probs[..., 32:].sum() < 1e-3 * probs.sum()
+    bytes_k, bytes_v = allocation.chunk_bytes(1, 32, 16, 16, 2, 2)
+    tiers = torch.zeros(1, 6, dtype=torch.long)
+    budget = 6 * (bytes_k[INT2] + bytes_v[INT2]) * torch.ones(1)
+    evicted = {}
+    for prior in (0.0, 0.2):
+        priced = allocation.with_prior(probs, visible, visible.sum(-1), prior)
+        d_k, d_v, d_e, _ = allocation.distortions(priced, q, k, v, 6, 32, 0.25, 16, torch.float16)
+        k_tier, v_tier = allocation.allocate(d_k, d_v, d_e, bytes_k, bytes_v, tiers, tiers,
+                                             torch.ones(1, 6, dtype=torch.bool), budget)  # fmt: skip
+        assert k_tier[0, 0] != EVICTED
+        evicted[prior] = int((k_tier == EVICTED).sum())
+    assert evicted[0.0] == 5 and evicted[0.2] == 0

@@ -305,17 +305,18 @@ def allocator_choices(layer, provisional: bool = False) -> "allocation.LayerChoi
     b, c = table.chunk_pos.shape
     scores = torch.zeros(2, b, c, device=layer.device)  # keys', values' importance
     tiles = tile_reader(layer)
-    out, lse = 0.0, window_lse(layer, tiles)
+    out, lse, seen = 0.0, window_lse(layer, tiles), 0
     for start, _, values, probs, visible in window_tiles(layer, lse, tiles):
         out = out + allocation.window_outputs(probs, values)
+        seen = seen + visible.sum(-1)
         _score_tile(layer, scores, start, values, probs, visible)
     d_k, d_v = torch.zeros(2, b, c, 4, device=layer.device)
     d_evict = torch.zeros(b, c, device=layer.device)
-    for start, keys, values, probs, _ in window_tiles(layer, lse, tiles):
+    for start, keys, values, probs, visible in window_tiles(layer, lse, tiles):
         if start < c:
             cols = slice(start, start + values.shape[2] // g)
             d_k[:, cols], d_v[:, cols], d_evict[:, cols] = allocation.tile_distortions(
-                probs, layer.query_window.q, keys, values, out, g, layer.scaling, layer.value_group, layer.meta_dtype,
+                allocation.with_prior(probs, visible, seen), layer.query_window.q, keys, values, out, g, layer.scaling, layer.value_group, layer.meta_dtype,
                 allocation.ERROR_MODEL, table.k_tier[:, cols], table.v_tier[:, cols],
             )  # fmt: skip
     chunks = table.kept()

@@ -10,7 +10,8 @@ from hqekv.eval.methods import Method
 from hqekv.eval.runner import baseline_at, equal_bytes_comparison, plot, plot_cap
 from hqekv.eval.tasks import TASKS, exact_match, f1_score
 
-METHODS = ["fp16", "hqekv:16", "kivi:2", "kivi:4", "evict:2", "hqekv:2", "hqekv:3.2", "random:2", "quanto:2", "quanto:4"]
+METHODS = ["fp16", "hqekv:16", "kivi:2", "evict:2", "hqekv:2", "random:2", "quanto:2", "quanto:4"]
+"""One method of each kind the tests of the run below read: the run is the suite's longest."""
 LENGTHS = [384]
 
 
@@ -163,7 +164,7 @@ def test_compressed_methods_store_less_than_fp16(run):
         # at ~400 tokens the protected full-precision chunks and the tail weigh a lot: only "less"
         for m in ("kivi:2", "evict:2", "hqekv:2"):
             assert rows[(task, m)]["cache_bytes"] < fp16, (task, m)
-        assert rows[(task, "kivi:2")]["effective_bits"] < rows[(task, "kivi:4")]["effective_bits"]
+        assert rows[(task, "kivi:2")]["effective_bits"] < rows[(task, "hqekv:16")]["effective_bits"]
 
 
 def test_shards_merge_into_the_one_process_run(smollm2, run):
