@@ -33,7 +33,8 @@ within ``bavg`` bits per element and the expected damage to attention is smalles
    one) each layer has re-ranked within :data:`PROVISIONAL` times its share and left its
    choices (:class:`LayerChoices`); the cache then prices a byte once for all layers, with
    each layer's distortions relative to its window output energy, and each layer keeps the
-   share it ends with for its decode re-ranks.
+   share it ends with for its decode re-ranks. With :data:`LAYER_FLOOR` > 0 no layer is
+   left with less than that share of its own budget (an ablation, 0 by default).
 
 Chunks only move down (a chunk already at 2 bits can stay or go lower; what it lost is
 sunk), and the chunks in the top ``protected`` under either importance metric are never
@@ -42,6 +43,7 @@ evicted. Everything here is a pure function of tensors.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -59,6 +61,9 @@ PROVISIONAL = 2.0
 """A multi-token input first keeps each layer within this many times its budget share; right
 after the forward, the cache shares the model's budget between its layers
 (:func:`share`), moving chunks only down, so a layer can end with up to this share."""
+LAYER_FLOOR = 0.0
+"""Under a shared budget (:func:`share`), the least share of its own budget each layer keeps:
+0 lets the one price of a byte leave a layer with as little as it decides."""
 PRIOR = 0.0
 """Share of a future query's attention the window queries are not taken to predict, spread
 evenly over the tokens it sees (:func:`with_prior`): 0 prices every chunk by the window's
@@ -286,6 +291,7 @@ def allocate(
     v_tier: torch.Tensor,
     evictable: torch.Tensor,
     budget: torch.Tensor,
+    held: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V tier of every chunk that minimise the distortion within ``budget`` bytes per row.
 
@@ -293,7 +299,8 @@ def allocate(
     from :func:`chunk_bytes`; k_tier, v_tier (B, C) int64: current tiers (-1 or EVICTED where
     no chunk); tiers only move down, and the distortion a chunk already has at its tier is
     sunk: each choice costs what it adds to it;
-    evictable (B, C) bool; budget (B,) bytes for the chunks.
+    evictable (B, C) bool; budget (B,) bytes for the chunks; held (B, C) bool, when given:
+    chunks that keep their tiers (their bytes count against the budget).
     -> new k_tier, v_tier (B, C) int64, EVICTED at the same places in both.
 
     One λ per row, by bisection on log λ: the smallest price of a byte whose choices fit the
@@ -314,6 +321,10 @@ def allocate(
     allowed_k = tiers[None, None, :] >= k_tier.clamp(0, INT1)[..., None]
     allowed_v = tiers[None, None, :] >= v_tier.clamp(0, INT1)[..., None]
     cur_k, cur_v = k_tier.clamp(0, INT1)[..., None], v_tier.clamp(0, INT1)[..., None]
+    if held is not None:
+        allowed_k &= ~held[..., None] | (tiers == cur_k)
+        allowed_v &= ~held[..., None] | (tiers == cur_v)
+        evictable = evictable & ~held
     held_k, held_v = dk.gather(2, cur_k), dv.gather(2, cur_v)
     dk, dv = (dk - held_k).clamp(min=0), (dv - held_v).clamp(min=0)
     de = (de - held_k[..., 0] - held_v[..., 0]).clamp(min=0)
@@ -380,26 +391,52 @@ class LayerChoices:
         )  # fmt: skip
 
 
+def tier_bytes(k_tier: torch.Tensor, v_tier: torch.Tensor, bytes_k: torch.Tensor, bytes_v: torch.Tensor) -> torch.Tensor:
+    """Bytes per row (B,) of the chunks at ``k_tier``, ``v_tier`` (B, C); none where there is no chunk."""
+    kept = (k_tier >= 0) & (k_tier != EVICTED)
+    held = bytes_k.to(k_tier.device)[k_tier.clamp(0, INT1)] + bytes_v.to(k_tier.device)[v_tier.clamp(0, INT1)]
+    return torch.where(kept, held, 0.0).sum(1)
+
+
 def share(
-    layers: list[LayerChoices], bytes_k: torch.Tensor, bytes_v: torch.Tensor
+    layers: list[LayerChoices], bytes_k: torch.Tensor, bytes_v: torch.Tensor, floor: float | None = None
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """K and V tiers of every layer's chunks under one budget for the model (per row).
 
     Each layer's distortions are divided by its window output energy (an error relative to
     what the layer's attention outputs), then one λ per row prices a byte in every layer:
     budget moves to the layers where it lowers the error most. The budget is the sum of the
-    layers' ``budget``. -> [(k_tier, v_tier) (B, C_l)] in the order of ``layers``.
+    layers' ``budget``. ``floor`` (:data:`LAYER_FLOOR` when None): no layer is left with
+    less than that share of its own ``budget`` where it can hold it; a layer the one price
+    leaves below is given its floor alone, and the rest of the budget is shared again
+    among the others (until none falls below).
+    -> [(k_tier, v_tier) (B, C_l)] in the order of ``layers``.
     """
+    floor = LAYER_FLOOR if floor is None else floor
     widths = [x.d_k.shape[1] for x in layers]
+    columns = [slice(a - w, a) for a, w in zip(itertools.accumulate(widths), widths)]
     norm = [x.energy.clamp(min=1e-30)[:, None] for x in layers]
-    k, v = allocate(
-        torch.cat([x.d_k / n[..., None] for x, n in zip(layers, norm)], 1),
-        torch.cat([x.d_v / n[..., None] for x, n in zip(layers, norm)], 1),
-        torch.cat([x.d_evict / n for x, n in zip(layers, norm)], 1),
-        bytes_k, bytes_v,
-        torch.cat([x.k_tier for x in layers], 1),
-        torch.cat([x.v_tier for x in layers], 1),
-        torch.cat([x.evictable for x in layers], 1),
-        sum(x.budget for x in layers),
-    )  # fmt: skip
+    d_k = torch.cat([x.d_k / n[..., None] for x, n in zip(layers, norm)], 1)
+    d_v = torch.cat([x.d_v / n[..., None] for x, n in zip(layers, norm)], 1)
+    d_evict = torch.cat([x.d_evict / n for x, n in zip(layers, norm)], 1)
+    k_tier = torch.cat([x.k_tier for x in layers], 1)
+    v_tier = torch.cat([x.v_tier for x in layers], 1)
+    evictable = torch.cat([x.evictable for x in layers], 1)
+    held = torch.zeros_like(evictable)
+    total = sum(x.budget for x in layers)
+    for _ in range(len(layers) + 1):
+        k, v = allocate(d_k, d_v, d_evict, bytes_k, bytes_v, k_tier, v_tier, evictable, total, held)
+        if floor <= 0:
+            break
+        moved = False
+        for x, cols in zip(layers, columns):
+            short = ~held[:, cols].any(1) & (tier_bytes(k[:, cols], v[:, cols], bytes_k, bytes_v) < floor * x.budget)
+            if short.any():
+                own_k, own_v = allocate(x.d_k, x.d_v, x.d_evict, bytes_k, bytes_v, x.k_tier, x.v_tier, x.evictable,
+                                        floor * x.budget)  # fmt: skip
+                k_tier[short, cols], v_tier[short, cols] = own_k[short], own_v[short]
+                held[short, cols] = True
+                moved = True
+        if not moved:
+            break
     return list(zip(k.split(widths, 1), v.split(widths, 1)))

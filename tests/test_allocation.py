@@ -197,6 +197,38 @@ def test_sharing_moves_bytes_to_the_layer_whose_relative_error_they_lower_most()
     assert held(b_k, b_v) > held(a_k, a_v)
 
 
+@pytest.mark.parametrize("rows", [1, 3])
+def test_a_floor_keeps_every_layer_a_share_of_its_budget_and_the_total_within_the_model_s(rows):
+    """Three layers, the first with errors 1000x smaller against the same energy: one price
+    of a byte leaves it nothing; with a floor of half its budget it keeps what that budget
+    buys, and the others share what is left (the total stays within the budget)."""
+    bytes_k, bytes_v = allocation.chunk_bytes(2, 32, 16, 16, 2, 2)
+    gen = torch.Generator().manual_seed(4)
+
+    def layer(scale: float) -> allocation.LayerChoices:
+        d = torch.rand(rows, 8, 4, generator=gen, dtype=torch.float64).cumsum(-1) * scale
+        d[..., FP16] = 0
+        tiers = torch.zeros(rows, 8, dtype=torch.long)
+        return allocation.LayerChoices(d, d.clone(), d[..., INT1] * 4, tiers, tiers, torch.ones(rows, 8, dtype=torch.bool),
+                                       torch.full((rows,), 3000.0, dtype=torch.float64), torch.ones(rows))  # fmt: skip
+
+    layers = [layer(0.001), layer(1.0), layer(1.0)]
+    shared = allocation.share(layers, bytes_k, bytes_v, floor=0.0)
+    floored = allocation.share(layers, bytes_k, bytes_v, floor=0.5)
+    used = [[allocation.tier_bytes(k, v, bytes_k, bytes_v) for k, v in tiers] for tiers in (shared, floored)]
+    assert (used[0][0] == 0).all()  # starved without the floor: every chunk evicted
+    # with it, the first layer holds what it would alone with half its budget (whole chunks)
+    x = layers[0]
+    alone = allocation.allocate(x.d_k, x.d_v, x.d_evict, bytes_k, bytes_v, x.k_tier, x.v_tier, x.evictable, 0.5 * x.budget)
+    assert torch.equal(floored[0][0], alone[0]) and torch.equal(floored[0][1], alone[1])
+    assert (used[1][0] > 0).all() and (used[1][0] <= 0.5 * 3000).all()
+    assert all((u >= 0.5 * 3000).all() for u in used[1][1:])  # the others were above it
+    assert (sum(used[1]) <= 9000 + 1e-6).all()
+    assert (used[1][1] + used[1][2] < used[0][1] + used[0][2]).all()  # the others gave up what it keeps
+    default = allocation.share(layers, bytes_k, bytes_v)  # the default floor is 0
+    assert all(torch.equal(a, b) for pair, same in zip(shared, default) for a, b in zip(pair, same))
+
+
 def test_choices_kept_compact_like_the_table():
     d = torch.arange(2 * 4 * 4, dtype=torch.float32).reshape(2, 4, 4)
     tiers = torch.tensor([[0, 1, 4, 2], [4, 4, 0, -1]])
@@ -238,9 +270,12 @@ def test_ratio_bits_are_the_real_bits_a_cache_under_those_shares_holds(dtype):
     assert bits > (values.bavg + keys.bavg) / 2  # the code bits, without the metadata
 
 
-@pytest.mark.parametrize("bavg, prior", [(0.5, 0.0), (1.0, 0.0), (2.0, 0.0), (3.2, 0.0), (6.0, 0.0), (1.0, 0.3)])
-def test_the_budget_holds_at_every_rerank_through_prefill_and_decode(bavg, prior, monkeypatch):
+@pytest.mark.parametrize(
+    "bavg, prior, floor", [(0.5, 0, 0), (1.0, 0, 0), (2.0, 0, 0), (3.2, 0, 0), (6.0, 0, 0), (1.0, 0.3, 0), (1.0, 0, 0.5)]
+)
+def test_the_budget_holds_at_every_rerank_through_prefill_and_decode(bavg, prior, floor, monkeypatch):
     monkeypatch.setattr(hqekv.allocation, "PRIOR", prior)
+    monkeypatch.setattr(hqekv.allocation, "LAYER_FLOOR", floor)
     model = tiny_llama(layers=3)
     hqekv.patch_model(model, bavg, ratios="auto")
     ids = torch.randint(1, 128, (2, 1200), generator=torch.Generator().manual_seed(1))
