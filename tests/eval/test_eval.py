@@ -2,8 +2,10 @@
 
 import json
 import math
+import os
 
 import pytest
+from filelock import FileLock
 
 from hqekv.eval import evaluate, parse_method, summarize, write_results
 from hqekv.eval.methods import Method
@@ -99,10 +101,32 @@ def test_no_two_perplexity_samples_are_one_text(smollm2):
         TASKS["ppl"].samples(tok, 40, [512], seed=0)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def short_continuations():
+    """The perplexity task scores 64 continuation tokens in this module instead of 256 (two
+    32-token forwards instead of eight), the same in every run of it."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(TASKS["ppl"], "continuation_tokens", 64)
+        yield
+
+
 @pytest.fixture(scope="module")
-def run(smollm2):
+def run(smollm2, tmp_path_factory):
+    """The evaluation the tests below read. Under ``pytest -n N`` the first worker to need it
+    builds it and the others read its records (a file of this run's temporary directory),
+    instead of each worker building it again."""
     model, tok = smollm2
-    return evaluate(model, tok, METHODS, ["needle", "squad", "ppl"], samples=2, lengths=LENGTHS, progress=False)
+
+    def build():
+        return evaluate(model, tok, METHODS, ["needle", "squad", "ppl"], samples=2, lengths=LENGTHS, progress=False)
+
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return build()
+    shared = tmp_path_factory.getbasetemp().parent / "smollm2-eval-run.json"  # one per pytest run
+    with FileLock(f"{shared}.lock"):
+        if not shared.is_file():
+            shared.write_text(json.dumps(build()))
+        return json.loads(shared.read_text())
 
 
 def test_every_method_and_task_gives_well_formed_results(run, tmp_path):
