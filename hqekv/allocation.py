@@ -291,7 +291,7 @@ def allocate(
     v_tier: torch.Tensor,
     evictable: torch.Tensor,
     budget: torch.Tensor,
-    held: torch.Tensor | None = None,
+    fixed: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V tier of every chunk that minimise the distortion within ``budget`` bytes per row.
 
@@ -299,7 +299,7 @@ def allocate(
     from :func:`chunk_bytes`; k_tier, v_tier (B, C) int64: current tiers (-1 or EVICTED where
     no chunk); tiers only move down, and the distortion a chunk already has at its tier is
     sunk: each choice costs what it adds to it;
-    evictable (B, C) bool; budget (B,) bytes for the chunks; held (B, C) bool, when given:
+    evictable (B, C) bool; budget (B,) bytes for the chunks; fixed (B, C) bool, when given:
     chunks that keep their tiers (their bytes count against the budget).
     -> new k_tier, v_tier (B, C) int64, EVICTED at the same places in both.
 
@@ -321,10 +321,10 @@ def allocate(
     allowed_k = tiers[None, None, :] >= k_tier.clamp(0, INT1)[..., None]
     allowed_v = tiers[None, None, :] >= v_tier.clamp(0, INT1)[..., None]
     cur_k, cur_v = k_tier.clamp(0, INT1)[..., None], v_tier.clamp(0, INT1)[..., None]
-    if held is not None:
-        allowed_k &= ~held[..., None] | (tiers == cur_k)
-        allowed_v &= ~held[..., None] | (tiers == cur_v)
-        evictable = evictable & ~held
+    if fixed is not None:
+        allowed_k &= ~fixed[..., None] | (tiers == cur_k)
+        allowed_v &= ~fixed[..., None] | (tiers == cur_v)
+        evictable = evictable & ~fixed
     held_k, held_v = dk.gather(2, cur_k), dv.gather(2, cur_v)
     dk, dv = (dk - held_k).clamp(min=0), (dv - held_v).clamp(min=0)
     de = (de - held_k[..., 0] - held_v[..., 0]).clamp(min=0)
@@ -422,20 +422,20 @@ def share(
     k_tier = torch.cat([x.k_tier for x in layers], 1)
     v_tier = torch.cat([x.v_tier for x in layers], 1)
     evictable = torch.cat([x.evictable for x in layers], 1)
-    held = torch.zeros_like(evictable)
+    fixed = torch.zeros_like(evictable)
     total = sum(x.budget for x in layers)
     for _ in range(len(layers) + 1):
-        k, v = allocate(d_k, d_v, d_evict, bytes_k, bytes_v, k_tier, v_tier, evictable, total, held)
+        k, v = allocate(d_k, d_v, d_evict, bytes_k, bytes_v, k_tier, v_tier, evictable, total, fixed)
         if floor <= 0:
             break
         moved = False
         for x, cols in zip(layers, columns):
-            short = ~held[:, cols].any(1) & (tier_bytes(k[:, cols], v[:, cols], bytes_k, bytes_v) < floor * x.budget)
+            short = ~fixed[:, cols].any(1) & (tier_bytes(k[:, cols], v[:, cols], bytes_k, bytes_v) < floor * x.budget)
             if short.any():
                 own_k, own_v = allocate(x.d_k, x.d_v, x.d_evict, bytes_k, bytes_v, x.k_tier, x.v_tier, x.evictable,
                                         floor * x.budget)  # fmt: skip
                 k_tier[short, cols], v_tier[short, cols] = own_k[short], own_v[short]
-                held[short, cols] = True
+                fixed[short, cols] = True
                 moved = True
         if not moved:
             break
