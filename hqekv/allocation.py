@@ -61,6 +61,15 @@ PROVISIONAL = 2.0
 """A multi-token input first keeps each layer within this many times its budget share; right
 after the forward, the cache shares the model's budget between its layers
 (:func:`share`), moving chunks only down, so a layer can end with up to this share."""
+DEFERRED = 2.0
+"""While a prompt arrives in pieces (:meth:`~hqekv.cache.HqeKVCache.defer_eviction` until
+``settle``), the model's budget times this is what the cache may hold: nothing is evicted
+before the prompt's end is seen, and this allowance is real memory, counted by the memory
+report, on top of what the prompt settles to."""
+DEFERRED_PRIOR = 0.0
+""":data:`PRIOR` while a prompt arrives in pieces: the window of an early piece is a poor
+sample of the queries the prompt's end will ask, so its chunks may be priced with more of a
+future query's attention spread evenly (1: evenly alone)."""
 LAYER_FLOOR = 0.0
 """Under a shared budget (:func:`share`), the least share of its own budget each layer keeps:
 0 lets the one price of a byte leave a layer with as little as it decides."""

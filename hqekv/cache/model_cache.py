@@ -111,11 +111,11 @@ class HqeKVCache(Cache):
         if not layers:
             return
         # the model's budget is every layer's fair part, whatever shares the layers held before;
-        # while a prompt arrives in pieces, twice that and no eviction (settle() ends it)
+        # while a prompt arrives in pieces, allocation.DEFERRED times that and no eviction (settle() ends it)
         choices = [
             dataclasses.replace(
                 layer.pending,
-                budget=budget.fair_budget(layer) * (allocation.PROVISIONAL if layer.deferring else 1.0),
+                budget=budget.fair_budget(layer) * (allocation.DEFERRED if layer.deferring else 1.0),
                 evictable=layer.pending.evictable & (not layer.deferring),
             )
             for layer in layers
@@ -138,7 +138,8 @@ class HqeKVCache(Cache):
         can a loop of one's own): until :meth:`settle`, re-ranks quantize as usual but evict
         nothing, since the pieces to come (the question, at the end of a prompt) may need
         what an early piece's queries did not look at. Chunks the policy would evict wait
-        at 1 bit (the allocator, ``ratios="auto"``: within twice the budget); that transient
+        at 1 bit (the allocator, ``ratios="auto"``: within :data:`~hqekv.allocation.DEFERRED`
+        times the budget, twice by default); that transient
         allowance is real memory, and the memory report counts it until :meth:`settle`.
         A no-op when :data:`DEFER_EVICTION` is False."""
         for layer in self.hqekv_layers:

@@ -312,11 +312,12 @@ def allocator_choices(layer, provisional: bool = False) -> "allocation.LayerChoi
         _score_tile(layer, scores, start, values, probs, visible)
     d_k, d_v = torch.zeros(2, b, c, 4, device=layer.device)
     d_evict = torch.zeros(b, c, device=layer.device)
+    prior = allocation.DEFERRED_PRIOR if layer.deferring else allocation.PRIOR
     for start, keys, values, probs, visible in window_tiles(layer, lse, tiles):
         if start < c:
             cols = slice(start, start + values.shape[2] // g)
             d_k[:, cols], d_v[:, cols], d_evict[:, cols] = allocation.tile_distortions(
-                allocation.with_prior(probs, visible, seen), layer.query_window.q, keys, values, out, g, layer.scaling, layer.value_group, layer.meta_dtype,
+                allocation.with_prior(probs, visible, seen, prior), layer.query_window.q, keys, values, out, g, layer.scaling, layer.value_group, layer.meta_dtype,
                 allocation.ERROR_MODEL, table.k_tier[:, cols], table.v_tier[:, cols],
             )  # fmt: skip
     chunks = table.kept()

@@ -134,6 +134,50 @@ def test_the_allocator_keeps_the_model_budget_after_every_prompt_chunk():
                 assert held <= allowed, (start, held, allowed)
 
 
+@pytest.mark.parametrize("allowance, prior", [(2.0, 0.0), (1.5, 1.0)])
+def test_a_deferred_prompt_holds_its_stated_allowance_under_the_allocator(allowance, prior, monkeypatch):
+    """Under ``ratios="auto"``, while a prompt arrives in pieces, the chunks of all layers hold
+    at most ``allocation.DEFERRED`` times the model's budget after every piece and evict
+    nothing; the memory report counts what they hold; ``settle()`` brings them within the
+    budget itself. ``DEFERRED_PRIOR`` prices the pieces' chunks alone: a one-shot prefill is
+    the same with it."""
+    monkeypatch.setattr(hqekv.allocation, "DEFERRED", allowance)
+    monkeypatch.setattr(hqekv.allocation, "DEFERRED_PRIOR", prior)
+    model = tiny_llama(layers=3)
+    hqekv.patch_model(model, value_group=16, bavg=2.0, ratios="auto")  # 1-bit chunks fit 1.5 × 2 bits
+    ids = prompt(1024, seed=5)
+
+    def held(cache) -> tuple[float, float]:
+        bytes_held = sum(float(budget.held_bytes(layer).sum()) for layer in cache.hqekv_layers)
+        return bytes_held, sum(float(budget.fair_budget(layer).sum()) for layer in cache.hqekv_layers)
+
+    cache = hqekv.new_cache(model)
+    cache.defer_eviction()
+    fills = []
+    with torch.no_grad():
+        for start in range(0, ids.shape[1], 256):
+            model(ids[:, start : start + 256], cache=cache)
+            used, allowed = held(cache)
+            assert used <= allowance * allowed, (start, used, allowed)
+            parts = cache.memory_report().bytes_by_part
+            assert sum(n for part, n in parts.items() if part[:2] in ("k.", "v.")) == used
+            fills.append(used / allowed)
+    assert all(int(layer.counters.n_evicted.sum()) == 0 for layer in cache.hqekv_layers)
+    assert max(fills) > 0.9 * allowance  # the allowance is what bounds it, not the tokens it has
+    cache.settle()
+    used, allowed = held(cache)
+    assert used <= allowed
+    once = hqekv.new_cache(model)
+    with torch.no_grad():
+        model(ids, cache=once)
+    monkeypatch.setattr(hqekv.allocation, "DEFERRED_PRIOR", 0.0)
+    again = hqekv.new_cache(model)
+    with torch.no_grad():
+        model(ids, cache=again)
+    for a, b in zip(once.hqekv_layers, again.hqekv_layers):
+        assert torch.equal(a.table.k_tier, b.table.k_tier) and torch.equal(a.table.v_tier, b.table.v_tier)
+
+
 def test_the_eval_prefill_feeds_a_prompt_in_chunks_like_generate():
     """``hqekv eval --prefill-chunk C`` reads prompts through :func:`prefill`: on an unpatched
     model the chunks give the one-shot logits; a chunk of no tokens is an error."""
