@@ -70,9 +70,6 @@ DEFERRED_PRIOR = 0.0
 """:data:`PRIOR` while a prompt arrives in pieces: the window of an early piece is a poor
 sample of the queries the prompt's end will ask, so its chunks may be priced with more of a
 future query's attention spread evenly (1: evenly alone)."""
-DEFERRED_MEMORY = False
-"""While a prompt arrives in pieces, price each chunk by the most that any piece's window
-gave its errors (relative to that window's output energy), not by the last piece's alone."""
 LAYER_FLOOR = 0.0
 """Under a shared budget (:func:`share`), the least share of its own budget each layer keeps:
 0 lets the one price of a byte leave a layer with as little as it decides."""

@@ -54,7 +54,6 @@ class HqeKVLayer(RowStateLayer):
         self.layer_idx = layer_idx
         self.has_tokens = False
         self.deferring = False  # a prompt arrives in pieces: evict nothing yet (HqeKVCache.defer_eviction)
-        self.deferred_memory = None  # allocation.DEFERRED_MEMORY: relative distortions by logical chunk
 
     def row_parts(self) -> list:
         return [self.table, self.tail, self.query_window, self.counters]

@@ -320,47 +320,14 @@ def allocator_choices(layer, provisional: bool = False) -> "allocation.LayerChoi
                 allocation.with_prior(probs, visible, seen, prior), layer.query_window.q, keys, values, out, g, layer.scaling, layer.value_group, layer.meta_dtype,
                 allocation.ERROR_MODEL, table.k_tier[:, cols], table.v_tier[:, cols],
             )  # fmt: skip
-    energy = out.square().sum((1, 2, 3, 4))
-    if allocation.DEFERRED_MEMORY and (layer.deferring or layer.deferred_memory is not None):
-        d_k, d_v, d_evict = _remembered(layer, table, energy, (d_k, d_v, d_evict))
     chunks = table.kept()
     evictable = chunks
     for component_scores in scores:
         evictable = evictable & (policy.descending_rank(component_scores, chunks) >= cfg.protected_chunks)
     allowance = allocation.PROVISIONAL if provisional else 1.0
     row_budget = budget.fair_budget(layer) * layer.counters.budget_share * allowance
+    energy = out.square().sum((1, 2, 3, 4))
     return allocation.LayerChoices(d_k, d_v, d_evict, table.k_tier, table.v_tier, evictable, row_budget, energy)
-
-
-def _remembered(layer, table: ChunkTable, energy: torch.Tensor, found: tuple) -> tuple:
-    """Each chunk's distortions ``found`` (d_k, d_v (B, C, 4), d_evict (B, C)) raised to the
-    most any earlier piece of a deferred prompt gave it, relative to each window's output
-    energy (B,); remembered by logical chunk while the layer defers, forgotten after."""
-    scale = energy.clamp(min=1e-30)
-    rel = [d / scale.view(-1, *[1] * (d.dim() - 1)) for d in found]
-    kept = table.kept()
-    pos = table.chunk_pos.clamp(min=0)
-    memory = layer.deferred_memory
-    if memory is not None:
-        n = memory[0].shape[1]
-        inside = kept & (table.chunk_pos < n)
-        idx = pos.clamp(max=n - 1)
-        for i, (r, m) in enumerate(zip(rel, memory)):
-            past = torch.gather(m, 1, idx.view(*idx.shape, *[1] * (m.dim() - 2)).expand(-1, -1, *m.shape[2:]))
-            mask = inside.view(*inside.shape, *[1] * (r.dim() - 2))
-            rel[i] = torch.where(mask, torch.maximum(r, past), r)
-    if layer.deferring:
-        n = int(pos.max()) + 1 if kept.any() else 0
-        rows, cols = kept.nonzero(as_tuple=True)
-        memory = []
-        for r in rel:
-            m = r.new_zeros(r.shape[0], n, *r.shape[2:])
-            m[rows, table.chunk_pos[rows, cols]] = r[rows, cols]
-            memory.append(m)
-        layer.deferred_memory = memory
-    else:
-        layer.deferred_memory = None
-    return tuple(r * scale.view(-1, *[1] * (r.dim() - 1)) for r in rel)
 
 
 def rerank(layer, rows: torch.Tensor, provisional: bool = False) -> None:
