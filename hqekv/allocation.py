@@ -146,17 +146,16 @@ def distortions(
     return d_k, d_v, d_evict, out.square().sum((1, 2, 3, 4))
 
 
-def with_prior(probs: torch.Tensor, visible: torch.Tensor, seen: torch.Tensor, prior: float | None = None) -> torch.Tensor:
+def with_prior(probs: torch.Tensor, visible: torch.Tensor, seen: torch.Tensor, prior: float) -> torch.Tensor:
     """The window probabilities a future query is priced with: ``(1 − prior)·p + prior/N``.
 
     probs (B, Hkv, g, m, n) float32 of some tokens, visible (B, m, n) bool of them, seen
     (B, m) how many tokens each window query sees in the whole cache -> (B, Hkv, g, m, n);
-    ``prior`` defaults to :data:`PRIOR`. The window's last queries are a sample of the
+    ``prior``: :data:`PRIOR`, or :data:`DEFERRED_PRIOR` for a prompt in pieces. The window's last queries are a sample of the
     queries to come; a share of the attention of those is not where the window looks, and
     with nothing known of it it is spread evenly: eviction is priced for every chunk, not
     only for those the window reads.
     """
-    prior = PRIOR if prior is None else prior
     if prior == 0:
         return probs
     even = visible.float() / seen.clamp(min=1)[..., None].float()  # (B, m, n)

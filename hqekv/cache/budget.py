@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from .. import allocation
-from ..tiers import INT1, QUANTIZED_TIERS
+from ..tiers import QUANTIZED_TIERS
 from .pools import KEY
 
 
@@ -30,7 +30,5 @@ def chunk_bytes(layer) -> tuple[torch.Tensor, torch.Tensor]:
 
 def held_bytes(layer) -> torch.Tensor:
     """Real bytes each row's chunks hold at their tiers, codes and metadata (B,) float64."""
-    bytes_k, bytes_v = chunk_bytes(layer)
     table = layer.live_table()
-    per_chunk = bytes_k[table.k_tier.clamp(0, INT1)] + bytes_v[table.v_tier.clamp(0, INT1)]
-    return torch.where(table.kept(), per_chunk, 0.0).sum(1)
+    return allocation.tier_bytes(table.k_tier, table.v_tier, *chunk_bytes(layer))

@@ -117,6 +117,12 @@ def test_the_budget_holds_across_prefill_chunks(setting):
         assert chunked.total_bytes <= 1.01 * once.total_bytes, (chunk, chunked.total_bytes, once.total_bytes)
 
 
+def held_and_allowed(cache) -> tuple[float, float]:
+    """Bytes the chunks of all layers hold, and the model's budget for them."""
+    held = sum(float(budget.held_bytes(layer).sum()) for layer in cache.hqekv_layers)
+    return held, sum(float(budget.fair_budget(layer).sum()) for layer in cache.hqekv_layers)
+
+
 def test_the_allocator_keeps_the_model_budget_after_every_prompt_chunk():
     """Under ``ratios="auto"`` the chunks of all layers hold at most ``bavg`` bits per element
     after every forward, once the protected chunks fit in it: a first chunk too small to meet
@@ -128,8 +134,7 @@ def test_the_allocator_keeps_the_model_budget_after_every_prompt_chunk():
     with torch.no_grad():
         for start in range(0, ids.shape[1], 128):
             model(ids[:, start : start + 128], cache=cache)
-            held = sum(float(budget.held_bytes(layer).sum()) for layer in cache.hqekv_layers)
-            allowed = sum(float(budget.fair_budget(layer).sum()) for layer in cache.hqekv_layers)
+            held, allowed = held_and_allowed(cache)
             if start >= 256:  # by then the protected chunks fit in the budget
                 assert held <= allowed, (start, held, allowed)
 
@@ -147,17 +152,13 @@ def test_a_deferred_prompt_holds_its_stated_allowance_under_the_allocator(allowa
     hqekv.patch_model(model, value_group=16, bavg=2.0, ratios="auto")  # 1-bit chunks fit 1.5 × 2 bits
     ids = prompt(1024, seed=5)
 
-    def held(cache) -> tuple[float, float]:
-        bytes_held = sum(float(budget.held_bytes(layer).sum()) for layer in cache.hqekv_layers)
-        return bytes_held, sum(float(budget.fair_budget(layer).sum()) for layer in cache.hqekv_layers)
-
     cache = hqekv.new_cache(model)
     cache.defer_eviction()
     fills = []
     with torch.no_grad():
         for start in range(0, ids.shape[1], 256):
             model(ids[:, start : start + 256], cache=cache)
-            used, allowed = held(cache)
+            used, allowed = held_and_allowed(cache)
             assert used <= allowance * allowed, (start, used, allowed)
             parts = cache.memory_report().bytes_by_part
             assert sum(n for part, n in parts.items() if part[:2] in ("k.", "v.")) == used
@@ -165,7 +166,7 @@ def test_a_deferred_prompt_holds_its_stated_allowance_under_the_allocator(allowa
     assert all(int(layer.counters.n_evicted.sum()) == 0 for layer in cache.hqekv_layers)
     assert max(fills) > 0.9 * allowance  # the allowance is what bounds it, not the tokens it has
     cache.settle()
-    used, allowed = held(cache)
+    used, allowed = held_and_allowed(cache)
     assert used <= allowed
     once = hqekv.new_cache(model)
     with torch.no_grad():
