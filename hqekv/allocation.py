@@ -66,8 +66,6 @@ DEFERRED = 2.0
 ``settle``), the model's budget times this is what the cache may hold: nothing is evicted
 before the prompt's end is seen, and this allowance is real memory, counted by the memory
 report, on top of what the prompt settles to."""
-DEFERRED_LOWEST = INT1
-"""The lowest tier a chunk may take while a prompt arrives in pieces (the allocator)."""
 DEFERRED_PRIOR = 0.0
 """:data:`PRIOR` while a prompt arrives in pieces: the window of an early piece is a poor
 sample of the queries the prompt's end will ask, so its chunks may be priced with more of a
@@ -322,7 +320,7 @@ def allocate(
     # normalize each row: distortions to at most 1, bytes to a chunk's FP16 keys + values
     scale = torch.cat([d_k.flatten(1), d_v.flatten(1), d_evict], 1).masked_fill(
         ~torch.cat([valid.repeat_interleave(4, 1)] * 2 + [valid], 1), 0
-    ).nan_to_num(posinf=0).amax(1).clamp(min=1e-30)[:, None, None].double()
+    ).amax(1).clamp(min=1e-30)[:, None, None].double()
     unit = float(bytes_k[FP16] + bytes_v[FP16])
     dk, dv, de = d_k.double() / scale, d_v.double() / scale, d_evict.double() / scale[:, :, 0]
     bk, bv = bytes_k.to(device) / unit, bytes_v.to(device) / unit
@@ -330,8 +328,6 @@ def allocate(
     # nothing: a chunk that keeps its tier keeps its codes
     allowed_k = tiers[None, None, :] >= k_tier.clamp(0, INT1)[..., None]
     allowed_v = tiers[None, None, :] >= v_tier.clamp(0, INT1)[..., None]
-    allowed_k &= d_k.isfinite() | (tiers == k_tier.clamp(0, INT1)[..., None])  # priced inf: not a choice
-    allowed_v &= d_v.isfinite() | (tiers == v_tier.clamp(0, INT1)[..., None])
     cur_k, cur_v = k_tier.clamp(0, INT1)[..., None], v_tier.clamp(0, INT1)[..., None]
     if fixed is not None:
         allowed_k &= ~fixed[..., None] | (tiers == cur_k)

@@ -320,9 +320,6 @@ def allocator_choices(layer, provisional: bool = False) -> "allocation.LayerChoi
                 allocation.with_prior(probs, visible, seen, prior), layer.query_window.q, keys, values, out, g, layer.scaling, layer.value_group, layer.meta_dtype,
                 allocation.ERROR_MODEL, table.k_tier[:, cols], table.v_tier[:, cols],
             )  # fmt: skip
-    if layer.deferring and allocation.DEFERRED_LOWEST < INT1:
-        d_k[..., allocation.DEFERRED_LOWEST + 1 :] = float("inf")
-        d_v[..., allocation.DEFERRED_LOWEST + 1 :] = float("inf")
     chunks = table.kept()
     evictable = chunks
     for component_scores in scores:
