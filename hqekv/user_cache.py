@@ -2,7 +2,7 @@
 
 One directory, one variable, for everything hqekv writes outside a project: the CPU
 kernel library (built once per source, compiler and CPU; :mod:`hqekv.kernels.mixed_attention_cpu`), the
-packaged models joined from their parts (:mod:`hqekv.packaged_models`), and the artifacts
+packaged models joined from their parts and converted from GGUF (:mod:`hqekv.packaged_models`), and the artifacts
 ``hqekv calibrate`` writes by default, which ``patch_model`` finds by itself
 (:data:`ARTIFACTS`, :mod:`hqekv.artifacts`).
 """

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import hashlib
 import sys
+from pathlib import Path
 
 import pytest
+import torch
 
 from hqekv import packaged_models
 from hqekv.packaged_models import PackagedModel
@@ -69,3 +71,95 @@ def test_packaged_names_resolve_to_their_hub_ids():
     assert packaged_models.resolve("some/repo") == ("some/repo", None, "some/repo")
     with pytest.raises(ValueError, match="gguf-file"):
         packaged_models.resolve("smollm2", "other.gguf")
+
+
+@pytest.fixture
+def fake_gguf_loaders(fake_parts, monkeypatch):
+    """transformers' loaders answering a GGUF with a tiny Llama and a stub tokenizer: (model, conversions)."""
+    import transformers
+
+    from tests.helpers import tiny_llama
+
+    model, conversions = tiny_llama(), []
+
+    class Tokenizer:
+        def save_pretrained(self, directory):
+            (Path(directory) / "tokenizer.json").write_text("{}")
+
+    def from_gguf(where, gguf_file=None, **kwargs):
+        assert gguf_file == "fake.gguf", "a conversion reads the packaged GGUF"
+        conversions.append(where)
+        return model
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", staticmethod(from_gguf))
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", staticmethod(lambda *a, **k: Tokenizer()))
+    return fake_parts[0], model, conversions
+
+
+def test_a_packaged_model_is_converted_once_and_its_weights_kept_bit_for_bit(fake_gguf_loaders):
+    from safetensors.torch import load_file
+
+    packaged, model, conversions = fake_gguf_loaders
+    directory = packaged_models.converted(packaged)
+    assert directory == packaged_models.converted_dir(packaged) and directory.parent.parent == packaged_models.cache_dir()
+    assert packaged_models.converted(packaged) == directory and len(conversions) == 1, "read back, not converted again"
+    saved, expected = load_file(directory / "model.safetensors"), model.state_dict()
+    assert saved and all(torch.equal(saved[k], expected[k]) for k in saved)
+    assert {"config.json", "generation_config.json", "tokenizer.json", packaged_models.MANIFEST} <= {
+        p.name for p in directory.iterdir()
+    }
+    assert [p.name for p in directory.parent.iterdir() if p.is_dir()] == [directory.name], "no staging left behind"
+
+
+def test_a_converted_copy_cut_short_is_converted_again(fake_gguf_loaders):
+    packaged, _, conversions = fake_gguf_loaders
+    weights = packaged_models.converted(packaged) / "model.safetensors"
+    size = weights.stat().st_size
+    weights.write_bytes(weights.read_bytes()[: size // 2])  # e.g. a disk that filled up, or a copy cut short
+    assert packaged_models.converted(packaged) / "model.safetensors" == weights
+    assert len(conversions) == 2 and weights.stat().st_size == size
+
+
+def test_a_failed_conversion_leaves_no_directory(fake_gguf_loaders, monkeypatch):
+    import transformers
+
+    packaged, _, _ = fake_gguf_loaders
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("unsupported GGUF tensor type")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", staticmethod(broken))
+    with pytest.raises(RuntimeError, match="unsupported"):
+        packaged_models.converted(packaged)
+    assert [p for p in packaged_models.converted_dir(packaged).parent.iterdir() if p.is_dir()] == []
+
+
+def test_another_transformers_version_converts_again(fake_parts, monkeypatch):
+    import transformers
+
+    packaged, _ = fake_parts
+    before = packaged_models.converted_dir(packaged)
+    monkeypatch.setattr(transformers, "__version__", "0.0.1")
+    assert packaged_models.converted_dir(packaged) != before
+
+
+@pytest.mark.slow
+def test_smollm2_read_from_its_converted_copy_is_the_gguf_model(smollm2):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model, tokenizer = smollm2  # loaded by name: from the converted copy
+    where, gguf_file, _ = packaged_models.resolve("smollm2")
+    direct = AutoModelForCausalLM.from_pretrained(where, gguf_file=gguf_file)
+    ours, theirs = model.state_dict(), direct.state_dict()
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    assert model.config.to_dict() == direct.config.to_dict()
+    assert model.generation_config.to_dict() == direct.generation_config.to_dict()
+    text = "The pass key is 71432. <|im_start|>user\nRemember it, café 😀\t  twice.<|im_end|>"
+    gguf_tokenizer = AutoTokenizer.from_pretrained(where, gguf_file=gguf_file)
+    assert tokenizer(text).input_ids == gguf_tokenizer(text).input_ids
+    assert tokenizer.chat_template == gguf_tokenizer.chat_template
+    ids = tokenizer(text, return_tensors="pt").input_ids
+    with torch.no_grad():  # the decode steps too: their kernels round by where the weights lie in memory
+        runs = [m.generate(ids, max_new_tokens=3, do_sample=False, output_logits=True, return_dict_in_generate=True)
+                for m in (model, direct)]  # fmt: skip
+    assert all(torch.equal(a, b) for a, b in zip(runs[0].logits, runs[1].logits))
