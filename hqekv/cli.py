@@ -124,6 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     p.add_argument("--threads", type=int, help="torch CPU threads")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--resume", action="store_true",
+                   help="continue a run of the same command cut short: keep the records in OUT/records.partial.jsonl "
+                        "and run only the others")  # fmt: skip
 
     p = sub.add_parser("info", help="what an artifact (file or directory) or a model holds")
     p.add_argument("paths", nargs="*", help="artifact files or directories")
@@ -211,20 +214,44 @@ def _split(args) -> int:
 
 
 PARTIAL_RECORDS = "records.partial.jsonl"
-"""Where `hqekv eval` appends each record as it is made, in its --out directory; removed
-once results.json is written. A run cut short leaves its finished records there."""
+"""Where `hqekv eval` appends each record as it is made, in its --out directory, after a
+first line with the run's settings; removed once results.json is written. A run cut short
+leaves its finished records there, and ``--resume`` continues it."""
+RESUMED_SETTINGS = ("model_id", "model_dtype", "methods", "tasks", "samples", "lengths", "seed", "prefill_chunk",
+                    "library_version")  # fmt: skip
+"""What a resumed run must share with the run it continues: everything its records depend on."""
+
+
+def read_partial(path: Path) -> tuple[dict, list[dict]]:
+    """(settings, records) of a run cut short, from its :data:`PARTIAL_RECORDS` file; ValueError
+    when the file does not start with the settings line (an older version, or not this file)."""
+    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if not lines or set(lines[0]) != {"settings"}:
+        raise ValueError(f"{path} does not start with the settings of its run, so it cannot be resumed")
+    return lines[0]["settings"], lines[1:]
+
+
+def resumable(path: Path, settings: dict) -> dict[tuple[str, str, int], dict]:
+    """The records of ``path`` by (task, method, index), if its run had these ``settings``; else ValueError."""
+    kept, records = read_partial(path)
+    differ = [k for k in RESUMED_SETTINGS if kept.get(k) != settings.get(k)]
+    if differ:
+        said = "; ".join(f"{k}: {kept.get(k)!r} there, {settings.get(k)!r} here" for k in differ)
+        raise ValueError(f"the records in {path} were made by another run ({said}): rerun its command "
+                         f"({kept.get('command')}) with --resume, or remove the file to start over")  # fmt: skip
+    return {(r["task"], r["method"], r["index"]): r for r in records}
 
 
 def run_evaluation(
-    args, model, tokenizer, *, shard: tuple[int, int] = (0, 1), progress: bool = True, on_record=None
+    args, model, tokenizer, *, shard: tuple[int, int] = (0, 1), progress: bool = True, on_record=None, done=None
 ) -> list[dict]:
-    """`hqekv eval` on a loaded model: this shard's per-sample records."""
+    """`hqekv eval` on a loaded model: this shard's per-sample records (``done``: those already made)."""
     from .eval import evaluate
 
     return evaluate(
         model, tokenizer, args.methods, args.tasks, samples=args.samples, lengths=args.lengths, seed=args.seed,
         shard=shard, progress=progress and not args.no_progress, prefill_chunk=getattr(args, "prefill_chunk", None),
-        on_record=on_record,
+        on_record=on_record, done=done,
     )  # fmt: skip
 
 
@@ -247,15 +274,27 @@ def _eval(args) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     partial = out / PARTIAL_RECORDS
-    partial.unlink(missing_ok=True)
+    settings = eval_settings(args, args.model_id or model_id, model)
+    done = {}
+    if partial.exists():
+        try:
+            if not args.resume:
+                raise ValueError(f"{partial} holds the records of a run cut short: --resume continues it (the same "
+                                 "command), or remove the file to start over")  # fmt: skip
+            done = resumable(partial, settings)
+        except ValueError as err:
+            print(f"hqekv eval: {err}", file=sys.stderr)
+            return 2
+    else:
+        partial.write_text(json.dumps({"settings": settings}) + "\n")
     with partial.open("a") as kept:
 
         def keep(record: dict) -> None:
             kept.write(json.dumps(record, default=str) + "\n")
             kept.flush()
 
-        records = run_evaluation(args, model, tokenizer, on_record=keep)
-    payload = write_results(records, args.out, eval_settings(args, args.model_id or model_id, model))
+        records = run_evaluation(args, model, tokenizer, on_record=keep, done=done)
+    payload = write_results(records, args.out, settings)
     partial.unlink()
     print((Path(args.out) / "results.md").read_text())
     print(f"wrote {args.out}/results.json ({len(payload['records'])} records), results.md and plots")

@@ -18,6 +18,8 @@ def start_worker(command: str):
     Without a GPU the workers are CPU processes talking over gloo.
     """
     args = build_parser().parse_args([command, *sys.argv[1:]])
+    if getattr(args, "resume", False):  # before the model loads
+        raise SystemExit(f"--resume continues `hqekv {command}` runs; the accelerate launchers keep no partial records")
     state = PartialState(cpu=not torch.cuda.is_available())
     model, tokenizer, model_id = load_model(args.model, args.gguf_file, dtype=model_dtype(args))
     model.to(state.device)

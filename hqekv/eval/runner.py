@@ -91,6 +91,7 @@ def evaluate(
     progress: bool = True,
     prefill_chunk: int | None = None,
     on_record=None,
+    done: dict | None = None,
 ) -> list[dict]:
     """Per-sample records of every method on every task (this shard's samples only).
 
@@ -99,7 +100,8 @@ def evaluate(
     ``prefill_chunk``: every method reads each prompt in forwards of that many tokens, as
     ``generate(prefill_chunk_size=...)`` does (a compressed cache compresses between them).
     ``on_record(record)`` is called with each record as it is made (``hqekv eval`` keeps them
-    on disk, so that a run cut short keeps what it finished).
+    on disk, so that a run cut short keeps what it finished); ``done`` maps (task, method name,
+    index) to the records a run cut short made, which are returned as they are, not run again.
     """
     from tqdm.auto import tqdm
 
@@ -120,6 +122,13 @@ def evaluate(
         for method in methods:
             with method.applied(model) as config:
                 for index, sample in tqdm(mine, desc=f"{task_name} {method.name}", disable=not progress):
+                    made = (done or {}).get((task_name, method.name, index))
+                    if made is not None:
+                        if made["sample"] != sample.id:
+                            raise ValueError(f"the record of {task_name} sample {index} ({method.name}) was made "
+                                             f"from sample {made['sample']}, not {sample.id}: it cannot be resumed")  # fmt: skip
+                        records.append(made)
+                        continue
                     record, cache = task.run(model, tokenizer, sample, method.new_cache(model), prefill_chunk)
                     record.update(cache_memory(cache))
                     del cache

@@ -314,36 +314,82 @@ def test_a_method_the_model_cannot_take_fails_before_any_sample_runs():
     assert calls == []
 
 
-def test_hqekv_eval_keeps_each_finished_record_on_disk_when_a_run_dies(tmp_path, monkeypatch):
-    import hqekv.cli as cli
-    import hqekv.eval.runner as runner
+@pytest.fixture
+def dying_eval(tmp_path, monkeypatch):
+    """`hqekv eval` of a tiny model on a needle task whose sample "s1" fails while ``dies``
+    holds it, as a crash an hour in would: (argv, out, runs), ``runs`` the samples run."""
     import torch
 
+    import hqekv.eval.runner as runner
     from hqekv.eval.tasks import Sample
 
     from ..helpers import tiny_llama
 
-    class Dies:  # the second sample's run fails, as a crash an hour in would
-        name = "needle"
+    runs, dies = [], {"s1"}
+
+    class Dies:
+        name, metric, higher_is_better = "needle", "pass-key exact match", True
 
         def samples(self, tokenizer, n, lengths, seed):
-            return [Sample(f"s{i}", torch.randint(1, 128, (1, 40)), ["x"]) for i in range(n)]
+            return [Sample(f"s{i}", torch.randint(1, 128, (1, 40), generator=torch.Generator().manual_seed(i)), ["x"])
+                    for i in range(n)]  # fmt: skip
 
         def run(self, model, tokenizer, sample, cache=None, prefill_chunk=None):
-            if sample.id == "s1":
+            if sample.id in dies:
                 raise RuntimeError("died")
+            runs.append(sample.id)
             out = model(sample.input_ids, use_cache=True)
-            return {"prediction": "x", "score": 1.0, "prefill_s": 0.1}, out.past_key_values
+            return {"prediction": "x", "score": float(out.logits[0, -1].argmax()), "prefill_s": 0.1}, out.past_key_values
 
     monkeypatch.setitem(runner.TASKS, "needle", Dies())
     monkeypatch.setattr("hqekv.packaged_models.load_model", lambda *a, **k: (tiny_llama(), None, "tiny"))
     out = tmp_path / "run"
-    args = cli.build_parser().parse_args(
-        ["eval", "--model", "smollm2", "--methods", "fp16", "--tasks", "needle", "--samples", "2", "--lengths", "64",
-         "--out", str(out), "--no-progress"]
-    )  # fmt: skip
+    argv = ["eval", "--model", "smollm2", "--methods", "fp16", "--tasks", "needle", "--samples", "3", "--lengths",
+            "64", "--out", str(out), "--no-progress"]  # fmt: skip
+    return argv, out, runs, dies
+
+
+def test_hqekv_eval_keeps_each_finished_record_on_disk_when_a_run_dies(dying_eval):
+    import hqekv.cli as cli
+
+    argv, out, _, _ = dying_eval
     with pytest.raises(RuntimeError, match="died"):
-        cli._eval(args)
-    kept = [json.loads(line) for line in (out / cli.PARTIAL_RECORDS).read_text().splitlines()]
-    assert [(r["sample"], r["method"], r["score"]) for r in kept] == [("s0", "fp16", 1.0)]
+        cli._eval(cli.build_parser().parse_args(argv))
+    settings, kept = cli.read_partial(out / cli.PARTIAL_RECORDS)
+    assert settings["samples"] == 3 and settings["methods"] == ["fp16"]
+    assert [(r["sample"], r["method"]) for r in kept] == [("s0", "fp16")]
     assert kept[0]["cache_bytes"] > 0
+
+
+def test_hqekv_eval_resume_runs_only_the_samples_a_run_cut_short_did_not_finish(dying_eval, tmp_path):
+    import hqekv.cli as cli
+
+    argv, out, runs, dies = dying_eval
+    with pytest.raises(RuntimeError, match="died"):
+        cli._eval(cli.build_parser().parse_args(argv))
+    dies.clear()
+    assert cli._eval(cli.build_parser().parse_args([*argv, "--resume"])) == 0
+    assert runs == ["s0", "s1", "s2"], "s0 was kept, not run again"
+    assert not (out / cli.PARTIAL_RECORDS).exists()
+    whole = tmp_path / "whole"
+    cli._eval(cli.build_parser().parse_args([*argv[:-3], "--out", str(whole), "--no-progress"]))
+    fields = ("task", "method", "index", "sample", "score", "cache_bytes")
+    resumed, once = (json.loads((d / "results.json").read_text()) for d in (out, whole))
+    assert [[r[f] for f in fields] for r in resumed["records"]] == [[r[f] for f in fields] for r in once["records"]]
+
+
+def test_hqekv_eval_refuses_to_discard_or_mix_in_the_records_of_a_run_cut_short(dying_eval, capsys):
+    import hqekv.cli as cli
+
+    argv, out, _, dies = dying_eval
+    with pytest.raises(RuntimeError, match="died"):
+        cli._eval(cli.build_parser().parse_args(argv))
+    dies.clear()
+    partial = out / cli.PARTIAL_RECORDS
+    before = partial.read_text()
+    assert cli._eval(cli.build_parser().parse_args(argv)) == 2, "without --resume the finished records are not thrown away"
+    assert "--resume continues it" in capsys.readouterr().err
+    other_seed = [*argv, "--seed", "1", "--resume"]
+    assert cli._eval(cli.build_parser().parse_args(other_seed)) == 2, "records of other samples are not mixed in"
+    assert "seed: 0 there, 1 here" in capsys.readouterr().err
+    assert partial.read_text() == before
