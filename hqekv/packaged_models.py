@@ -18,8 +18,10 @@ Reading a GGUF file is slow (transformers parses its metadata three times and de
 every tensor: 25 s for SmolLM2, over a minute for Qwen2.5-Coder and Gemma3 on two cores),
 so the first load also writes the converted model, float32 safetensors with its config and
 tokenizer, to ``$HQEKV_CACHE/models/NAME-KEY`` (:func:`converted_dir`; 0.5 to 2.4 GB), and
-later loads read that in a second or two. KEY names the GGUF's sha256 and the transformers
-version that converted it; the directory appears whole or not at all, and a copy whose
+later loads read that in a second or two. The copy is kept only once read back equal to the
+GGUF's model (every weight bit for bit, config, tokenizer; :func:`_check_conversion`). KEY
+names the GGUF's sha256 and the transformers version that converted it; the directory
+appears whole or not at all, and a copy whose
 files no longer have the sizes it was written with is converted again. Delete the
 directory to reclaim the space.
 """
@@ -34,6 +36,8 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+
+import torch
 
 from .user_cache import atomic_write, cache_dir
 
@@ -159,8 +163,10 @@ def _convert(packaged: PackagedModel, target: Path) -> None:
         save_model(lm, str(staging / "model.safetensors"), metadata={"format": "pt"})
         lm.config.save_pretrained(staging)
         lm.generation_config.save_pretrained(staging)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        tokenizer.save_pretrained(staging)
+        _check_conversion(packaged, lm, tokenizer, staging)
         del lm
-        AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(staging)
         sizes = {p.name: p.stat().st_size for p in staging.iterdir()}
         (staging / MANIFEST).write_text(json.dumps({"gguf": str(gguf), "sizes": sizes}, indent=1) + "\n")
         os.chmod(staging, 0o755)
@@ -169,6 +175,41 @@ def _convert(packaged: PackagedModel, target: Path) -> None:
         os.rename(staging, target)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+PROBE_TEXT = "The pass key is 71432.\n<|im_start|>user\nRemember it, café 😀\t  twice?<|im_end|>"
+"""A text the converted tokenizer must split as the GGUF's does: digits, markup, accents, emoji, spaces."""
+
+
+def _check_conversion(packaged: PackagedModel, model, tokenizer, directory: Path) -> None:
+    """Raise unless ``directory`` gives back ``model`` and ``tokenizer`` (read from the GGUF):
+    every weight bit for bit, the same config and generation config, the same tokens for
+    :data:`PROBE_TEXT` and the same chat template."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    saved, weights = load_file(directory / "model.safetensors"), model.state_dict()
+    differ = [k for k in weights if k not in saved and not _tied(model, k)]
+    differ += [k for k in saved if k not in weights or not torch.equal(saved[k], weights[k])]
+    ours, theirs = AutoConfig.from_pretrained(directory).to_dict(), model.config.to_dict()
+    differ += [f"config.{k}" for k in set(ours) | set(theirs)
+               if k not in ("_name_or_path", "architectures", "dtype") and ours.get(k) != theirs.get(k)]  # fmt: skip
+    if GenerationConfig.from_pretrained(directory).to_dict() != model.generation_config.to_dict():
+        differ.append("generation_config")
+    back = AutoTokenizer.from_pretrained(directory)
+    if back(PROBE_TEXT).input_ids != tokenizer(PROBE_TEXT).input_ids or back.chat_template != tokenizer.chat_template:
+        differ.append("tokenizer")
+    if differ:
+        raise ValueError(
+            f"{packaged.name}: the model converted from {packaged.gguf} differs from the GGUF in {', '.join(differ[:8])}"
+            " (this transformers version saves or reads it otherwise); nothing was written"
+        )
+
+
+def _tied(model, name: str) -> bool:
+    """Whether parameter ``name`` of ``model`` shares its storage with another (safetensors keeps one of them)."""
+    tensor = model.state_dict()[name]
+    return any(k != name and v.data_ptr() == tensor.data_ptr() for k, v in model.state_dict().items())
 
 
 def converted(packaged: PackagedModel) -> Path:
@@ -215,7 +256,6 @@ def model_config(model: str, gguf_file: str | None = None):
 def load_model(model: str, gguf_file: str | None = None, dtype=None):
     """(model, tokenizer, model id) for a Hub id or directory, a GGUF file in it, or a packaged
     name (:data:`MODEL_NAMES`: ``smollm2``, ``qwen2.5-coder``, ``gemma3``), whose model id is its Hub id."""
-    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     where, gguf_file, model_id = resolve(model, gguf_file)

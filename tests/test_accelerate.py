@@ -27,7 +27,8 @@ def launch(processes: int, script: str, *args: str) -> None:
 
 
 def test_eval_two_cpu_processes_equal_one(tmp_path):
-    common = ["--model", "smollm2", "--methods", "fp16", "hqekv:2", "--tasks", "needle", "ppl",
+    # needle alone: the perplexity records of shards are checked in process (tests/eval, shards merge)
+    common = ["--model", "smollm2", "--methods", "fp16", "hqekv:2", "--tasks", "needle",
               "--samples", "2", "--lengths", "256", "--no-progress"]
     launch(2, "eval.py", *common, "--out", str(tmp_path / "two"))
     launch(1, "eval.py", *common, "--out", str(tmp_path / "one"))

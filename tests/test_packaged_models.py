@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -83,6 +84,11 @@ def fake_gguf_loaders(fake_parts, monkeypatch):
     model, conversions = tiny_llama(), []
 
     class Tokenizer:
+        chat_template = None
+
+        def __call__(self, text):
+            return SimpleNamespace(input_ids=[ord(c) for c in text])
+
         def save_pretrained(self, directory):
             (Path(directory) / "tokenizer.json").write_text("{}")
 
@@ -143,23 +149,33 @@ def test_another_transformers_version_converts_again(fake_parts, monkeypatch):
     assert packaged_models.converted_dir(packaged) != before
 
 
-@pytest.mark.slow
-def test_smollm2_read_from_its_converted_copy_is_the_gguf_model(smollm2):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def test_a_conversion_that_does_not_give_the_gguf_weights_back_is_refused(fake_gguf_loaders, monkeypatch):
+    import safetensors.torch
 
-    model, tokenizer = smollm2  # loaded by name: from the converted copy
-    where, gguf_file, _ = packaged_models.resolve("smollm2")
-    direct = AutoModelForCausalLM.from_pretrained(where, gguf_file=gguf_file)
-    ours, theirs = model.state_dict(), direct.state_dict()
-    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
-    assert model.config.to_dict() == direct.config.to_dict()
-    assert model.generation_config.to_dict() == direct.generation_config.to_dict()
-    text = "The pass key is 71432. <|im_start|>user\nRemember it, café 😀\t  twice.<|im_end|>"
-    gguf_tokenizer = AutoTokenizer.from_pretrained(where, gguf_file=gguf_file)
-    assert tokenizer(text).input_ids == gguf_tokenizer(text).input_ids
-    assert tokenizer.chat_template == gguf_tokenizer.chat_template
-    ids = tokenizer(text, return_tensors="pt").input_ids
-    with torch.no_grad():  # the decode steps too: their kernels round by where the weights lie in memory
+    packaged, _, _ = fake_gguf_loaders
+    save_model = safetensors.torch.save_model
+
+    def lossy(model, filename, metadata=None):  # e.g. a writer that rounds one tensor
+        save_model(model, filename, metadata=metadata)
+        weights = safetensors.torch.load_file(filename)
+        name = sorted(weights)[0]
+        weights[name] = weights[name].bfloat16().float()
+        safetensors.torch.save_file(weights, filename, metadata=metadata)
+
+    monkeypatch.setattr(safetensors.torch, "save_model", lossy)
+    with pytest.raises(ValueError, match="differs from the GGUF in"):
+        packaged_models.converted(packaged)
+    assert [p for p in packaged_models.converted_dir(packaged).parent.iterdir() if p.is_dir()] == []
+
+
+@pytest.mark.slow
+def test_smollm2_loaded_by_name_decodes_as_its_weights_do_anywhere_in_memory(smollm2):
+    import copy
+
+    model, tokenizer = smollm2  # from its converted copy, whose weights the conversion checked against the GGUF
+    fresh = copy.deepcopy(model)  # the same weights in memory of its own, as a GGUF load leaves them
+    ids = tokenizer(packaged_models.PROBE_TEXT, return_tensors="pt").input_ids
+    with torch.no_grad():  # decode steps round by where the weights lie in memory (mapped from a file or not)
         runs = [m.generate(ids, max_new_tokens=3, do_sample=False, output_logits=True, return_dict_in_generate=True)
-                for m in (model, direct)]  # fmt: skip
+                for m in (model, fresh)]  # fmt: skip
     assert all(torch.equal(a, b) for a, b in zip(runs[0].logits, runs[1].logits))
