@@ -275,17 +275,16 @@ def _eval(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     partial = out / PARTIAL_RECORDS
     settings = eval_settings(args, args.model_id or model_id, model)
-    done = {}
-    if partial.exists():
-        try:
-            if not args.resume:
-                raise ValueError(f"{partial} holds the records of a run cut short: --resume continues it (the same "
-                                 "command), or remove the file to start over")  # fmt: skip
-            done = resumable(partial, settings)
-        except ValueError as err:
-            print(f"hqekv eval: {err}", file=sys.stderr)
-            return 2
-    else:
+    try:
+        made = read_partial(partial)[1] if partial.exists() else []
+        if made and not args.resume:
+            raise ValueError(f"{partial} holds {len(made)} records of a run cut short: --resume continues it (the "
+                             "same command), or remove the file to start over")  # fmt: skip
+        done = resumable(partial, settings) if made else {}
+    except ValueError as err:
+        print(f"hqekv eval: {err}", file=sys.stderr)
+        return 2
+    if not done:  # a new run, or one cut short before its first record
         partial.write_text(json.dumps({"settings": settings}) + "\n")
     with partial.open("a") as kept:
 

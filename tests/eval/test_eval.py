@@ -393,3 +393,16 @@ def test_hqekv_eval_refuses_to_discard_or_mix_in_the_records_of_a_run_cut_short(
     assert cli._eval(cli.build_parser().parse_args(other_seed)) == 2, "records of other samples are not mixed in"
     assert "seed: 0 there, 1 here" in capsys.readouterr().err
     assert partial.read_text() == before
+
+
+def test_hqekv_eval_runs_again_a_run_cut_short_before_its_first_record(dying_eval):
+    import hqekv.cli as cli
+
+    argv, out, runs, dies = dying_eval
+    dies.add("s0")
+    with pytest.raises(RuntimeError, match="died"):
+        cli._eval(cli.build_parser().parse_args(argv))
+    assert cli.read_partial(out / cli.PARTIAL_RECORDS)[1] == []
+    dies.clear()
+    assert cli._eval(cli.build_parser().parse_args(argv)) == 0, "nothing finished, nothing to keep"
+    assert runs == ["s0", "s1", "s2"]
