@@ -225,7 +225,15 @@ RESUMED_SETTINGS = ("model_id", "model_dtype", "methods", "tasks", "samples", "l
 def read_partial(path: Path) -> tuple[dict, list[dict]]:
     """(settings, records) of a run cut short, from its :data:`PARTIAL_RECORDS` file; ValueError
     when the file does not start with the settings line (an older version, or not this file)."""
-    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    text = [line for line in path.read_text().splitlines() if line.strip()]
+    lines = []
+    for number, line in enumerate(text, 1):
+        try:
+            lines.append(json.loads(line))
+        except ValueError:
+            if number < len(text):
+                raise ValueError(f"{path}: line {number} is not a record, so the file cannot be resumed") from None
+            # the last line of a run killed while writing it: that record is made again
     if not lines or set(lines[0]) != {"settings"}:
         raise ValueError(f"{path} does not start with the settings of its run, so it cannot be resumed")
     return lines[0]["settings"], lines[1:]
@@ -263,29 +271,29 @@ def _eval(args) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    model, tokenizer, model_id = load_model(args.model, args.gguf_file, dtype=model_dtype(args))
-    from .eval.runner import check_methods, check_request
-
-    try:  # before any sample runs: a method this model cannot take loses no finished work
-        check_methods(model, check_request(args.methods, args.tasks, args.samples, args.lengths))
-    except ValueError as err:
-        print(f"hqekv eval: {err}", file=sys.stderr)
-        return 2
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    partial = out / PARTIAL_RECORDS
-    settings = eval_settings(args, args.model_id or model_id, model)
-    try:
+    partial = Path(args.out) / PARTIAL_RECORDS
+    try:  # before the model loads
         made = read_partial(partial)[1] if partial.exists() else []
         if made and not args.resume:
             raise ValueError(f"{partial} holds {len(made)} records of a run cut short: --resume continues it (the "
                              "same command), or remove the file to start over")  # fmt: skip
+    except ValueError as err:
+        print(f"hqekv eval: {err}", file=sys.stderr)
+        return 2
+    model, tokenizer, model_id = load_model(args.model, args.gguf_file, dtype=model_dtype(args))
+    from .eval.runner import check_methods, check_request
+
+    settings = eval_settings(args, args.model_id or model_id, model)
+    try:  # before any sample runs: a method this model cannot take loses no finished work
+        check_methods(model, check_request(args.methods, args.tasks, args.samples, args.lengths))
         done = resumable(partial, settings) if made else {}
     except ValueError as err:
         print(f"hqekv eval: {err}", file=sys.stderr)
         return 2
-    if not done:  # a new run, or one cut short before its first record
-        partial.write_text(json.dumps({"settings": settings}) + "\n")
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    # the settings, then the records kept (without a line a killed run left half written)
+    lines = [{"settings": settings}, *done.values()]
+    partial.write_text("".join(json.dumps(line, default=str) + "\n" for line in lines))
     with partial.open("a") as kept:
 
         def keep(record: dict) -> None:

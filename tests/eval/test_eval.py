@@ -367,6 +367,8 @@ def test_hqekv_eval_resume_runs_only_the_samples_a_run_cut_short_did_not_finish(
     argv, out, runs, dies = dying_eval
     with pytest.raises(RuntimeError, match="died"):
         cli._eval(cli.build_parser().parse_args(argv))
+    with (out / cli.PARTIAL_RECORDS).open("a") as partial:
+        partial.write('{"prediction": "x", "sco')  # the record a run killed while writing it left
     dies.clear()
     assert cli._eval(cli.build_parser().parse_args([*argv, "--resume"])) == 0
     assert runs == ["s0", "s1", "s2"], "s0 was kept, not run again"
