@@ -151,8 +151,8 @@ def with_prior(probs: torch.Tensor, visible: torch.Tensor, seen: torch.Tensor, p
 
     probs (B, Hkv, g, m, n) float32 of some tokens, visible (B, m, n) bool of them, seen
     (B, m) how many tokens each window query sees in the whole cache -> (B, Hkv, g, m, n);
-    ``prior``: :data:`PRIOR`, or :data:`DEFERRED_PRIOR` for a prompt in pieces. The window's last queries are a sample of the
-    queries to come; a share of the attention of those is not where the window looks, and
+    ``prior``: :data:`PRIOR`, or :data:`DEFERRED_PRIOR` for a prompt in pieces. The window's
+    last queries are a sample of the queries to come; a share of the attention of those is not where the window looks, and
     with nothing known of it it is spread evenly: eviction is priced for every chunk, not
     only for those the window reads.
     """

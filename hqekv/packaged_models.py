@@ -21,9 +21,8 @@ tokenizer, to ``$HQEKV_CACHE/models/NAME-KEY`` (:func:`converted_dir`; 0.5 to 2.
 later loads read that in a second or two. The copy is kept only once read back equal to the
 GGUF's model (every weight bit for bit, config, tokenizer; :func:`_check_conversion`). KEY
 names the GGUF's sha256 and the transformers version that converted it; the directory
-appears whole or not at all, and a copy whose
-files no longer have the sizes it was written with is converted again. Delete the
-directory to reclaim the space.
+appears whole or not at all, and a copy whose files no longer have the sizes it was written
+with is converted again. Delete the directory to reclaim the space.
 """
 
 from __future__ import annotations
@@ -189,7 +188,8 @@ def _check_conversion(packaged: PackagedModel, model, tokenizer, directory: Path
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     saved, weights = load_file(directory / "model.safetensors"), model.state_dict()
-    differ = [k for k in weights if k not in saved and not _tied(model, k)]
+    shared = {v.data_ptr() for k, v in weights.items() if k in saved}  # a tied weight is saved once
+    differ = [k for k in weights if k not in saved and weights[k].data_ptr() not in shared]
     differ += [k for k in saved if k not in weights or not torch.equal(saved[k], weights[k])]
     ours, theirs = AutoConfig.from_pretrained(directory).to_dict(), model.config.to_dict()
     differ += [f"config.{k}" for k in set(ours) | set(theirs)
@@ -204,12 +204,6 @@ def _check_conversion(packaged: PackagedModel, model, tokenizer, directory: Path
             f"{packaged.name}: the model converted from {packaged.gguf} differs from the GGUF in {', '.join(differ[:8])}"
             " (this transformers version saves or reads it otherwise); nothing was written"
         )
-
-
-def _tied(model, name: str) -> bool:
-    """Whether parameter ``name`` of ``model`` shares its storage with another (safetensors keeps one of them)."""
-    tensor = model.state_dict()[name]
-    return any(k != name and v.data_ptr() == tensor.data_ptr() for k, v in model.state_dict().items())
 
 
 def converted(packaged: PackagedModel) -> Path:
