@@ -52,6 +52,7 @@ def main():
             ids = text.context[s : s + 1]
             reference.append(continuation_logprobs(model, ids, text.continuation[s : s + 1])[0])
     rows = {}
+    defaults = hqekv.allocation.ERROR_MODEL, hqekv.allocation.LAYER_SCALE
     for spec in args.methods:
         spec, _, variant = spec.partition("@")  # auto:2@retrieval,none: error model, layer scale
         if variant:
@@ -77,7 +78,7 @@ def main():
                     bits.append(report.effective_bits)
                     for k, v in report.chunks.items():
                         chunks[k] = chunks.get(k, 0) + v
-        hqekv.allocation.ERROR_MODEL, hqekv.allocation.LAYER_SCALE = "output", "energy"
+        hqekv.allocation.ERROR_MODEL, hqekv.allocation.LAYER_SCALE = defaults
         spec = spec + (f"@{variant}" if variant else "")
         rows[spec] = {"kl": sum(kl) / len(kl), "abs_dnll": sum(dnll) / len(dnll), "effective_bits": sum(bits) / len(bits),
                       "seconds": sum(seconds) / len(seconds), "chunks": chunks,
