@@ -86,6 +86,9 @@ evict (:func:`capped_evictable`): 1 lets the price of a byte evict as many as it
 0 keeps every chunk the budget can hold at the :data:`LOWEST` tier (an experiment)."""
 LOWEST = INT1
 """The lowest tier a re-rank may move a chunk to (an experiment: INT2 keeps 1 bit out)."""
+NEXT_CHUNK = 0.0
+"""A chunk right after another costs at least this share of what its predecessor costs
+(:func:`with_successors`): what a query reads, the answer reads on from (an experiment)."""
 BISECTION_STEPS = 48
 LAMBDA_RANGE = (-14.0, 14.0)
 """log10 of the price of a byte the bisection searches, with distortions and bytes of a row
@@ -169,6 +172,25 @@ def with_prior(probs: torch.Tensor, visible: torch.Tensor, seen: torch.Tensor, p
         return probs
     even = visible.float() / seen.clamp(min=1)[..., None].float()  # (B, m, n)
     return (1 - prior) * probs + prior * even[:, None, None]
+
+
+def with_successors(
+    d_k: torch.Tensor, d_v: torch.Tensor, d_evict: torch.Tensor, chunk_pos: torch.Tensor, share: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Distortions (B, C, 4), (B, C, 4), (B, C) of chunks at ``chunk_pos`` (B, C) (ascending,
+    -1 where empty), each at least ``share`` times its predecessor's where that chunk is the
+    one before it: a needle's value follows the words the question reads."""
+    if share == 0:
+        return d_k, d_v, d_evict
+    follows = torch.zeros_like(chunk_pos, dtype=torch.bool)
+    follows[:, 1:] = (chunk_pos[:, 1:] == chunk_pos[:, :-1] + 1) & (chunk_pos[:, :-1] >= 0)
+    out = []
+    for d in (d_k, d_v, d_evict):
+        lifted = d.clone()
+        here = follows if d.dim() == 2 else follows[..., None]
+        lifted[:, 1:] = torch.where(here[:, 1:], torch.maximum(d[:, 1:], share * d[:, :-1]), d[:, 1:])
+        out.append(lifted)
+    return tuple(out)
 
 
 def window_outputs(probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:

@@ -440,3 +440,20 @@ def test_a_cap_on_evictions_keeps_at_1_bit_what_the_budget_can_hold(cap):
     used = torch.where(k == EVICTED, 0.0, bytes_k[k.clamp(max=INT1)] + bytes_v[v.clamp(max=INT1)]).sum()
     assert used <= budget[0] and int((k == EVICTED).sum()) <= int(allowed.sum())
     assert allocation.capped_evictable(d_e, evictable, tiers, budget, bytes_k, bytes_v, 1.0) is evictable
+
+
+def test_a_chunk_right_after_another_costs_at_least_its_share_of_the_predecessor_s_distortion():
+    gen = torch.Generator().manual_seed(4)
+    d_k = torch.rand(1, 5, 4, generator=gen)
+    d_v = torch.rand(1, 5, 4, generator=gen)
+    d_e = torch.tensor([[0.1, 5.0, 0.2, 4.0, 0.3]])
+    d_k[0, 1] = d_v[0, 1] = 9.0
+    pos = torch.tensor([[0, 1, 2, 4, -1]])  # chunk 3 was evicted: chunk 4 follows nothing kept
+    assert allocation.with_successors(d_k, d_v, d_e, pos, 0.0) == (d_k, d_v, d_e)
+    k, v, e = allocation.with_successors(d_k, d_v, d_e, pos, 0.5)
+    assert e[0].tolist() == pytest.approx([0.1, 5.0, 2.5, 4.0, 0.3])
+    torch.testing.assert_close(k[0, 2], torch.maximum(d_k[0, 2], torch.full((4,), 4.5)))
+    torch.testing.assert_close(v[0, 2], torch.maximum(d_v[0, 2], torch.full((4,), 4.5)))
+    for i in (0, 1, 3, 4):  # the first, one after a cheaper chunk, one after a gap, an empty column
+        torch.testing.assert_close(k[0, i], d_k[0, i] if i != 1 else torch.maximum(d_k[0, 1], 0.5 * d_k[0, 0]))
+        assert e[0, i] == d_e[0, i]

@@ -320,6 +320,7 @@ def allocator_choices(layer, provisional: bool = False) -> "allocation.LayerChoi
                 allocation.with_prior(probs, visible, seen, prior), layer.query_window.q, keys, values, out, g, layer.scaling, layer.value_group, layer.meta_dtype,
                 allocation.ERROR_MODEL, table.k_tier[:, cols], table.v_tier[:, cols],
             )  # fmt: skip
+    d_k, d_v, d_evict = allocation.with_successors(d_k, d_v, d_evict, table.chunk_pos, allocation.NEXT_CHUNK)
     chunks = table.kept()
     evictable = chunks
     for component_scores in scores:
