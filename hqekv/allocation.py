@@ -20,7 +20,10 @@ within ``bavg`` bits per element and the expected damage to attention is smalles
    The window's queries are a sample of the queries to come, not all of them: with
    :data:`PRIOR` > 0 each is priced as ``(1 − PRIOR)·p + PRIOR/N`` (:func:`with_prior`),
    a share of a future query's attention spread evenly over the N tokens it sees, so that
-   evicting a chunk the window does not read still costs something.
+   evicting a chunk the window does not read still costs something. With
+   :data:`NEXT_CHUNK` > 0 a chunk right after another costs at least that share of its
+   predecessor's distortions (:func:`with_successors`): a question reads a needle's key
+   words, its answer reads on into the value after them.
 
    The "output" model (``ERROR_MODEL``) is the exact first-order error of the window
    queries' outputs instead (p² per token, the coherent ``(P o − Σ p v)/(1 − P)`` of an
@@ -46,16 +49,13 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-import numpy
 import torch
 
 from . import quantization
 from .tiers import EVICTED, FP16, INT1, QUANTIZED_TIERS, TIERS, TILE_CHUNKS
 
 ERROR_MODEL = "retrieval"
-"""How :func:`distortions` weighs errors by attention: "retrieval" (the default), "output", or
-(experiments) "saturating" and "hijack", which price key errors by the exact change of
-attention a logit error of their variance makes (:func:`saturating`)."""
+"""How :func:`distortions` weighs errors by attention: "retrieval" (the default) or "output"."""
 LAYER_SCALE = "energy"
 """How the cache shares the budget between layers (:func:`share`): "energy" (the default),
 one price of a byte for distortions relative to each layer's window output energy; "off",
@@ -80,15 +80,10 @@ PRIOR = 0.0
 """Share of a future query's attention the window queries are not taken to predict, spread
 evenly over the tokens it sees (:func:`with_prior`): 0 prices every chunk by the window's
 attention alone."""
-EVICT_CAP = 1.0
-"""Share of a layer's evictable chunks, beyond those its budget forces out, that a re-rank may
-evict (:func:`capped_evictable`): 1 lets the price of a byte evict as many as it finds cheap;
-0 keeps every chunk the budget can hold at the :data:`LOWEST` tier (an experiment)."""
-LOWEST = INT1
-"""The lowest tier a re-rank may move a chunk to (an experiment: INT2 keeps 1 bit out)."""
 NEXT_CHUNK = 0.0
 """A chunk right after another costs at least this share of what its predecessor costs
-(:func:`with_successors`): what a query reads, the answer reads on from (an experiment)."""
+(:func:`with_successors`): what the window's queries read, an answer reads on from (an
+ablation, 0 by default: docs/results.md, "Needles the allocator drops")."""
 BISECTION_STEPS = 48
 LAMBDA_RANGE = (-14.0, 14.0)
 """log10 of the price of a byte the bisection searches, with distortions and bytes of a row
@@ -246,11 +241,6 @@ def tile_distortions(
     k_weight = chunked(key_weight).reshape(b * nc, hkv, gs, d)
     v_weight = chunked(value_weight).reshape(b * nc, hkv, gs)
     d_k, d_v = keys.new_zeros(2, b * nc, 4, dtype=torch.float32)
-    if error_model in ("saturating", "hijack"):  # per chunk: (B·nc, Hkv, g, m, G) probabilities and spreads, (B·nc, Hkv, g, m, D) q²
-        def per_chunk(x: torch.Tensor) -> torch.Tensor:
-            return x.reshape(b, hkv, g, m, nc, gs).permute(0, 4, 1, 2, 3, 5).reshape(b * nc, hkv, g, m, gs)
-        p_chunk, s_chunk = per_chunk(p), per_chunk(spread)
-        q_chunk = q2[:, None].expand(b, nc, hkv, g, m, d).reshape(b * nc, hkv, g, m, d)
     batch = max(1, ERROR_BATCH // (hkv * gs * d))
     every = torch.arange(b * nc, device=keys.device)
     for is_key, chunks, weight, current, into in (
@@ -262,18 +252,9 @@ def tile_distortions(
             which = every if current is None else ((current >= 0) & (current < t)).nonzero()[:, 0]
             for part in which.split(batch):  # the quantizers' temporaries are a batch's, not the tile's
                 err = tier_error(chunks[part], t, is_key, value_group, meta_dtype)
-                if is_key and error_model in ("saturating", "hijack"):
-                    sig = torch.einsum("chgmd,chsd->chgms", q_chunk[part], err) * scaling**2
-                    pc = p_chunk[part]
-                    if error_model == "saturating":
-                        hurt = saturating(pc, sig)
-                    else:  # first-order retrieval + what the exact change of the query's own attention adds
-                        hurt = pc * sig + (pc * saturating(pc, sig) - (pc * (1 - pc)).square() * sig).clamp(min=0)
-                    into[part, t] = (hurt * s_chunk[part]).sum((1, 2, 3, 4))
-                else:
-                    into[part, t] = (err * weight[part]).sum((1, 2, 3)) if is_key else (err.sum(-1) * weight[part]).sum((1, 2))
+                into[part, t] = (err * weight[part]).sum((1, 2, 3)) if is_key else (err.sum(-1) * weight[part]).sum((1, 2))
     d_k, d_v = d_k.reshape(b, nc, 4), d_v.reshape(b, nc, 4)
-    if error_model in ("retrieval", "saturating", "hijack"):
+    if error_model == "retrieval":
         d_evict = (p * spread).reshape(b, hkv, g, m, nc, gs).sum((1, 2, 3, 5))
     else:
         # (P_q o_q − Σ_{n∈c} p_qn v_n) / (1 − P_q) per query, chunk and head
@@ -283,22 +264,6 @@ def tile_distortions(
         shift = (mass[..., None] * out[:, :, :, :, None, :] - held).square().sum(-1)
         d_evict = (shift / (1 - mass).clamp(min=1e-6).square()).sum((1, 2, 3))
     return d_k, d_v, d_evict
-
-
-_NODES, _WEIGHTS = (torch.tensor(x, dtype=torch.float64) for x in numpy.polynomial.hermite_e.hermegauss(12))
-_WEIGHTS = _WEIGHTS / _WEIGHTS.sum()
-
-
-def saturating(p: torch.Tensor, sig: torch.Tensor) -> torch.Tensor:
-    """E over δ ~ N(0, sig) of p (1 − p)² (e^δ − 1)² / (1 − p + p e^δ)²: the squared change of a
-    token's attention probability when its logit moves by δ (renormalized, bounded by 1),
-    per unit of probability; p δ² (1 − p)² for small δ, at most 1/p."""
-    out = torch.zeros_like(p)
-    sd = sig.clamp(min=0).sqrt()
-    for x, w in zip(_NODES.tolist(), _WEIGHTS.tolist()):
-        e = torch.exp((sd * x).clamp(max=30))
-        out += w * p * ((1 - p) * (e - 1) / (1 - p + p * e)).square()
-    return out
 
 
 def chunk_bytes(
@@ -390,8 +355,6 @@ def allocate(
     allowed_k = tiers[None, None, :] >= k_tier.clamp(0, INT1)[..., None]
     allowed_v = tiers[None, None, :] >= v_tier.clamp(0, INT1)[..., None]
     cur_k, cur_v = k_tier.clamp(0, INT1)[..., None], v_tier.clamp(0, INT1)[..., None]
-    allowed_k &= (tiers <= LOWEST) | (tiers == cur_k)
-    allowed_v &= (tiers <= LOWEST) | (tiers == cur_v)
     if fixed is not None:
         allowed_k &= ~fixed[..., None] | (tiers == cur_k)
         allowed_v &= ~fixed[..., None] | (tiers == cur_v)
@@ -422,37 +385,6 @@ def allocate(
     tk, tv, evict, _ = choose(hi)
     gone = evict | ~valid
     return tk.masked_fill(gone, EVICTED), tv.masked_fill(gone, EVICTED)
-
-
-def capped_evictable(
-    d_evict: torch.Tensor,
-    evictable: torch.Tensor,
-    k_tier: torch.Tensor,
-    budget: torch.Tensor,
-    bytes_k: torch.Tensor,
-    bytes_v: torch.Tensor,
-    cap: float | None = None,
-) -> torch.Tensor:
-    """The chunks a re-rank may evict under :data:`EVICT_CAP` (``cap`` when given).
-
-    d_evict (B, C), evictable (B, C) bool, k_tier (B, C) (-1 or EVICTED where no chunk),
-    budget (B,) bytes -> (B, C) bool. Of the n chunks of a row, the budget forces
-    ``f = n − ⌊budget / lowest-tier bytes⌋`` out (every kept chunk at :data:`LOWEST` or above); the
-    ``f + ⌈cap·(n − f)⌉`` evictable chunks whose eviction costs least stay evictable, the
-    others must be kept. With ``cap`` 1 (no cap) ``evictable`` is returned as it is.
-    """
-    cap = EVICT_CAP if cap is None else cap
-    if cap >= 1:
-        return evictable
-    kept = (k_tier >= 0) & (k_tier != EVICTED)
-    n = kept.sum(1).double()
-    one_bit = float(bytes_k[LOWEST] + bytes_v[LOWEST])
-    forced = (n - torch.floor(budget.double() / one_bit)).clamp(min=0)
-    allowed = forced + torch.ceil(cap * (n - forced))
-    order = d_evict.masked_fill(~evictable, float("inf")).argsort(dim=1, stable=True)
-    rank = torch.empty_like(order)
-    rank.scatter_(1, order, torch.arange(order.shape[1], device=order.device).expand_as(order))
-    return evictable & (rank < allowed[:, None])
 
 
 @dataclass
@@ -523,9 +455,7 @@ def share(
     d_evict = torch.cat([x.d_evict / n for x, n in zip(layers, norm)], 1)
     k_tier = torch.cat([x.k_tier for x in layers], 1)
     v_tier = torch.cat([x.v_tier for x in layers], 1)
-    evictable = torch.cat(
-        [capped_evictable(x.d_evict, x.evictable, x.k_tier, x.budget, bytes_k, bytes_v) for x in layers], 1
-    )
+    evictable = torch.cat([x.evictable for x in layers], 1)
     fixed = torch.zeros_like(evictable)
     total = sum(x.budget for x in layers)
     for _ in range(len(layers) + 1):

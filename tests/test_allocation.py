@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import math
 
 import pytest
 import torch
@@ -272,14 +271,14 @@ def test_ratio_bits_are_the_real_bits_a_cache_under_those_shares_holds(dtype):
 
 
 @pytest.mark.parametrize(
-    "bavg, prior, floor, cap",
-    [(0.5, 0, 0, 1), (1.0, 0, 0, 1), (2.0, 0, 0, 1), (3.2, 0, 0, 1), (6.0, 0, 0, 1), (1.0, 0.3, 0, 1),
-     (1.0, 0, 0.5, 1), (0.5, 0, 0, 0), (1.0, 0, 0, 0.25)],
+    "bavg, prior, floor, next_chunk",
+    [(0.5, 0, 0, 0), (1.0, 0, 0, 0), (2.0, 0, 0, 0), (3.2, 0, 0, 0), (6.0, 0, 0, 0), (1.0, 0.3, 0, 0), (1.0, 0, 0.5, 0),
+     (1.0, 0, 0, 1)],
 )  # fmt: skip
-def test_the_budget_holds_at_every_rerank_through_prefill_and_decode(bavg, prior, floor, cap, monkeypatch):
+def test_the_budget_holds_at_every_rerank_through_prefill_and_decode(bavg, prior, floor, next_chunk, monkeypatch):
     monkeypatch.setattr(hqekv.allocation, "PRIOR", prior)
     monkeypatch.setattr(hqekv.allocation, "LAYER_FLOOR", floor)
-    monkeypatch.setattr(hqekv.allocation, "EVICT_CAP", cap)
+    monkeypatch.setattr(hqekv.allocation, "NEXT_CHUNK", next_chunk)
     model = tiny_llama(layers=3)
     hqekv.patch_model(model, bavg, ratios="auto")
     ids = torch.randint(1, 128, (2, 1200), generator=torch.Generator().manual_seed(1))
@@ -409,37 +408,6 @@ def test_under_the_prior_chunks_the_window_does_not_read_are_quantized_before_th
         assert k_tier[0, 0] != EVICTED
         evicted[prior] = int((k_tier == EVICTED).sum())
     assert evicted[0.0] == 5 and evicted[0.2] == 0
-
-
-@pytest.mark.parametrize("cap", [0.0, 0.25])
-def test_a_cap_on_evictions_keeps_at_1_bit_what_the_budget_can_hold(cap):
-    """Priced by a window that reads one chunk, the allocator evicts every other chunk to
-    keep that one in FP16; under a cap it evicts only those the budget forces out plus the
-    cap's share of the rest, the cheapest to lose first, within the same budget."""
-    gen = torch.Generator().manual_seed(3)
-    c = 10
-    d_k = torch.rand(1, c, 4, generator=gen, dtype=torch.float64).cumsum(-1) * 1e-3
-    d_v = torch.rand(1, c, 4, generator=gen, dtype=torch.float64).cumsum(-1) * 1e-3
-    d_k[..., FP16] = d_v[..., FP16] = 0
-    d_k[0, 0] *= 1e6  # the chunk the window reads
-    d_e = torch.linspace(1e-3, 2e-3, c, dtype=torch.float64)[None] + d_k[..., INT1] + d_v[..., INT1]
-    bytes_k, bytes_v = allocation.chunk_bytes(2, 32, 16, 16, 2, 2)
-    one_bit = float(bytes_k[INT1] + bytes_v[INT1])
-    tiers = torch.zeros(1, c, dtype=torch.long)
-    evictable = torch.ones(1, c, dtype=torch.bool)
-    budget = torch.tensor([float(bytes_k[FP16] + bytes_v[FP16]) + 2.5 * one_bit])
-    forced = c - int(budget.item() // one_bit)  # every chunk the budget cannot hold at 1 bit
-    assert 0 < forced < c - 2
-    free, _ = allocation.allocate(d_k, d_v, d_e, bytes_k, bytes_v, tiers, tiers, evictable, budget)
-    assert free[0, 0] == FP16 and int((free == EVICTED).sum()) > forced + math.ceil(cap * (c - forced))
-    allowed = allocation.capped_evictable(d_e, evictable, tiers, budget, bytes_k, bytes_v, cap)
-    n_allowed = forced + math.ceil(cap * (c - forced))
-    cheapest = d_e[0].argsort()[:n_allowed]
-    assert allowed[0].nonzero()[:, 0].sort().values.tolist() == cheapest.sort().values.tolist()
-    k, v = allocation.allocate(d_k, d_v, d_e, bytes_k, bytes_v, tiers, tiers, allowed, budget)
-    used = torch.where(k == EVICTED, 0.0, bytes_k[k.clamp(max=INT1)] + bytes_v[v.clamp(max=INT1)]).sum()
-    assert used <= budget[0] and int((k == EVICTED).sum()) <= int(allowed.sum())
-    assert allocation.capped_evictable(d_e, evictable, tiers, budget, bytes_k, bytes_v, 1.0) is evictable
 
 
 def test_a_chunk_right_after_another_costs_at_least_its_share_of_the_predecessor_s_distortion():

@@ -349,13 +349,10 @@ def rerank(layer, rows: torch.Tensor, provisional: bool = False) -> None:
         found = allocator_choices(layer, provisional)
         if layer.deferring:
             found.evictable = torch.zeros_like(found.evictable)
-        bytes_k, bytes_v = budget.chunk_bytes(layer)
-        evictable = allocation.capped_evictable(
-            found.d_evict, found.evictable, found.k_tier, found.budget, bytes_k, bytes_v
-        )
         prop_k, prop_v = allocation.allocate(
-            found.d_k, found.d_v, found.d_evict, bytes_k, bytes_v, found.k_tier, found.v_tier, evictable, found.budget
-        )
+            found.d_k, found.d_v, found.d_evict, *budget.chunk_bytes(layer), found.k_tier, found.v_tier,
+            found.evictable, found.budget,
+        )  # fmt: skip
     else:
         score_k, score_v = chunk_scores(layer)
         counters = layer.counters
