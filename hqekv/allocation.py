@@ -159,9 +159,9 @@ def with_prior(probs: torch.Tensor, visible: torch.Tensor, seen: torch.Tensor, p
     probs (B, Hkv, g, m, n) float32 of some tokens, visible (B, m, n) bool of them, seen
     (B, m) how many tokens each window query sees in the whole cache -> (B, Hkv, g, m, n);
     ``prior``: :data:`PRIOR`, or :data:`DEFERRED_PRIOR` for a prompt in pieces. The window's
-    last queries are a sample of the queries to come; a share of the attention of those is not where the window looks, and
-    with nothing known of it it is spread evenly: eviction is priced for every chunk, not
-    only for those the window reads.
+    last queries are a sample of the queries to come; a share of the attention of those is
+    not where the window looks, and with nothing known of it it is spread evenly: eviction
+    is priced for every chunk, not only for those the window reads.
     """
     if prior == 0:
         return probs
@@ -177,15 +177,13 @@ def with_successors(
     one before it: a needle's value follows the words the question reads."""
     if share == 0:
         return d_k, d_v, d_evict
-    follows = torch.zeros_like(chunk_pos, dtype=torch.bool)
-    follows[:, 1:] = (chunk_pos[:, 1:] == chunk_pos[:, :-1] + 1) & (chunk_pos[:, :-1] >= 0)
-    out = []
-    for d in (d_k, d_v, d_evict):
-        lifted = d.clone()
-        here = follows if d.dim() == 2 else follows[..., None]
-        lifted[:, 1:] = torch.where(here[:, 1:], torch.maximum(d[:, 1:], share * d[:, :-1]), d[:, 1:])
-        out.append(lifted)
-    return tuple(out)
+    before = chunk_pos.roll(1, 1)  # the first column's wraps around and is never a predecessor
+    follows = (chunk_pos == before + 1) & (before >= 0)
+    follows[:, 0] = False
+    return tuple(
+        torch.where(follows.view(*follows.shape, *[1] * (d.dim() - 2)), torch.maximum(d, share * d.roll(1, 1)), d)
+        for d in (d_k, d_v, d_evict)
+    )
 
 
 def window_outputs(probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
