@@ -263,3 +263,43 @@ def test_a_prompt_in_pieces_ends_with_the_tiers_of_the_same_prompt_at_once(chunk
     once, chunked = stored(model, ids, None), stored(model, ids, chunk)
     assert chunked.chunks == once.chunks
     assert chunked.total_bytes == once.total_bytes
+
+
+def test_the_allocator_re_ranks_a_prompt_s_pieces_after_the_forward_not_during_it(monkeypatch):
+    """Under ``ratios="auto"``, a piece of a deferred prompt is re-ranked once the forward
+    has run through every layer (before the budget is shared), so that the re-rank's
+    transient never adds to the forward's activations; in a one-shot prefill each layer
+    still re-ranks within the forward."""
+    from hqekv.cache import HqeKVLayer
+
+    model = tiny_llama(layers=3)
+    hqekv.patch_model(model, value_group=16, bavg=2.0, ratios="auto")
+    inside = []
+    for block in model.model.layers:
+        forward = block.forward
+
+        def run(*a, forward=forward, **k):
+            inside.append(True)
+            try:
+                return forward(*a, **k)
+            finally:
+                inside.pop()
+
+        monkeypatch.setattr(block, "forward", run)
+    during = []
+    rerank = HqeKVLayer.rerank
+    monkeypatch.setattr(
+        HqeKVLayer, "rerank", lambda self, *a, **k: (during.append(bool(inside)), rerank(self, *a, **k))[1]
+    )
+    ids = prompt(1024, seed=5)
+    cache = hqekv.new_cache(model)
+    cache.defer_eviction()
+    with torch.no_grad():
+        for start in range(0, 1024, 256):
+            model(ids[:, start : start + 256], cache=cache)
+            assert all(layer.rerank_due is None for layer in cache.hqekv_layers)  # none left waiting
+    assert during and not any(during)
+    during.clear()
+    with torch.no_grad():
+        model(ids, cache=hqekv.new_cache(model))
+    assert during and all(during)
