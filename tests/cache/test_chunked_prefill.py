@@ -93,6 +93,17 @@ def test_beam_search_over_prefill_chunks():
     assert not any(layer.deferring for layer in chunked.hqekv_layers)
 
 
+def in_pieces(model, ids, piece=256):
+    """A new cache that defers eviction, fed ``ids`` a piece at a time as a loop of one's own
+    does: yields (start of the piece, the cache) after each piece's forward."""
+    cache = hqekv.new_cache(model)
+    cache.defer_eviction()
+    for start in range(0, ids.shape[1], piece):
+        with torch.no_grad():
+            model(ids[:, start : start + piece], cache=cache)
+        yield start, cache
+
+
 def stored(model, ids, chunk):
     cache = hqekv.new_cache(model)
     with torch.no_grad():
@@ -152,17 +163,13 @@ def test_a_deferred_prompt_holds_its_stated_allowance_under_the_allocator(allowa
     hqekv.patch_model(model, value_group=16, bavg=2.0, ratios="auto")  # 1-bit chunks fit 1.5 × 2 bits
     ids = prompt(1024, seed=5)
 
-    cache = hqekv.new_cache(model)
-    cache.defer_eviction()
     fills = []
-    with torch.no_grad():
-        for start in range(0, ids.shape[1], 256):
-            model(ids[:, start : start + 256], cache=cache)
-            used, allowed = held_and_allowed(cache)
-            assert used <= allowance * allowed, (start, used, allowed)
-            parts = cache.memory_report().bytes_by_part
-            assert sum(n for part, n in parts.items() if part[:2] in ("k.", "v.")) == used
-            fills.append(used / allowed)
+    for start, cache in in_pieces(model, ids):
+        used, allowed = held_and_allowed(cache)
+        assert used <= allowance * allowed, (start, used, allowed)
+        parts = cache.memory_report().bytes_by_part
+        assert sum(n for part, n in parts.items() if part[:2] in ("k.", "v.")) == used
+        fills.append(used / allowed)
     assert all(int(layer.counters.n_evicted.sum()) == 0 for layer in cache.hqekv_layers)
     assert max(fills) > 0.9 * allowance  # the allowance is what bounds it, not the tokens it has
     cache.settle()
@@ -204,11 +211,7 @@ def test_a_prompt_in_pieces_evicts_only_once_it_is_whole(setting):
     once = hqekv.new_cache(model)
     with torch.no_grad():
         model(ids, cache=once)
-    cache = hqekv.new_cache(model)
-    cache.defer_eviction()
-    with torch.no_grad():
-        for start in range(0, ids.shape[1], 256):
-            model(ids[:, start : start + 256], cache=cache)
+    *_, (_, cache) = in_pieces(model, ids)
     assert all(int(layer.counters.n_evicted.sum()) == 0 for layer in cache.hqekv_layers)
     assert all(int((layer.table.k_tier == 0).sum()) < int(layer.counters.n_chunks.sum()) for layer in cache.hqekv_layers)
     cache.settle()
@@ -241,12 +244,9 @@ def test_a_decode_step_settles_a_prompt_whose_loop_forgot_to():
     model = tiny_llama()
     hqekv.patch_model(model, ratios=MIXED, value_group=16)
     ids = prompt(1024, seed=4)
-    cache = hqekv.new_cache(model)
-    cache.defer_eviction()
+    *_, (_, cache) = in_pieces(model, ids)
+    assert sum(int(layer.counters.n_evicted.sum()) for layer in cache.hqekv_layers) == 0
     with torch.no_grad():
-        for start in range(0, 1024, 256):
-            model(ids[:, start : start + 256], cache=cache)
-        assert sum(int(layer.counters.n_evicted.sum()) for layer in cache.hqekv_layers) == 0
         model(ids[:, -1:], cache=cache)
     assert not any(layer.deferring for layer in cache.hqekv_layers)
     assert sum(int(layer.counters.n_evicted.sum()) for layer in cache.hqekv_layers) > 0
@@ -292,12 +292,8 @@ def test_the_allocator_re_ranks_a_prompt_s_pieces_after_the_forward_not_during_i
         HqeKVLayer, "rerank", lambda self, *a, **k: (during.append(bool(inside)), rerank(self, *a, **k))[1]
     )
     ids = prompt(1024, seed=5)
-    cache = hqekv.new_cache(model)
-    cache.defer_eviction()
-    with torch.no_grad():
-        for start in range(0, 1024, 256):
-            model(ids[:, start : start + 256], cache=cache)
-            assert all(layer.rerank_due is None for layer in cache.hqekv_layers)  # none left waiting
+    for _, cache in in_pieces(model, ids):
+        assert all(layer.rerank_due is None for layer in cache.hqekv_layers)  # none left waiting
     assert during and not any(during)
     during.clear()
     with torch.no_grad():
