@@ -82,6 +82,32 @@ def _configs():
             **{**COMMON, "num_key_value_heads": 1},
         ),
         "phi3": lambda: T.Phi3Config(num_hidden_layers=2, partial_rotary_factor=0.5, **COMMON),
+        "ministral": lambda: T.MinistralConfig(
+            num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"], sliding_window=SLIDING_WINDOW, **COMMON
+        ),
+        "qwen2_moe": lambda: T.Qwen2MoeConfig(
+            num_hidden_layers=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+            shared_expert_intermediate_size=32, **COMMON,
+        ),  # fmt: skip
+        "granite": lambda: T.GraniteConfig(
+            num_hidden_layers=2, attention_multiplier=0.2, embedding_multiplier=2.0, residual_multiplier=0.5,
+            logits_scaling=4.0, **COMMON,
+        ),  # fmt: skip
+        "granitemoe": lambda: T.GraniteMoeConfig(
+            num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2, attention_multiplier=0.2, **COMMON
+        ),
+        "starcoder2": lambda: T.Starcoder2Config(num_hidden_layers=2, sliding_window=None, **COMMON),
+        "helium": lambda: T.HeliumConfig(num_hidden_layers=2, **COMMON),
+        "arcee": lambda: T.ArceeConfig(num_hidden_layers=2, **COMMON),
+        "seed_oss": lambda: T.SeedOssConfig(num_hidden_layers=2, **COMMON),
+        "ernie4_5": lambda: T.Ernie4_5Config(num_hidden_layers=2, **COMMON),
+        "glm": lambda: T.GlmConfig(num_hidden_layers=2, partial_rotary_factor=0.5, **COMMON),
+        "smollm3": lambda: T.SmolLM3Config(num_hidden_layers=2, no_rope_layer_interval=2, **COMMON),  # layer 1: NoPE
+        "apertus": lambda: T.ApertusConfig(num_hidden_layers=2, **COMMON),
+        "olmo2": lambda: T.Olmo2Config(num_hidden_layers=2, **COMMON),
+        "olmo3": lambda: T.Olmo3Config(
+            num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"], sliding_window=SLIDING_WINDOW, **COMMON
+        ),
     }
 
 
@@ -97,6 +123,22 @@ def tiny_model(family: str, seed: int = 0, dtype=torch.float32):
     config._attn_implementation = "sdpa"
     model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
     return model
+
+
+def sharpen_attention(model, factor: float = 20.0) -> None:
+    """Make ``model``'s attention depend on positions and content.
+
+    At random initialisation queries and keys are so small that every token attends almost
+    evenly, so that RoPE, the scaling or a norm could be wrong without changing an output.
+    Scales the query and key projections by ``factor``; where queries and keys are normed
+    (which would undo that), sets the norms' weights to 3 instead.
+    """
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                param.fill_(3.0)
+            elif name.endswith(("q_proj.weight", "k_proj.weight", "qkv_proj.weight")):
+                param.mul_(factor)
 
 
 def prompt(n: int, seed: int = 0, batch: int = 1, low: int = 1) -> torch.Tensor:

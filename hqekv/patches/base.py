@@ -29,10 +29,13 @@ def sliding_windows(text_config) -> list[int | None]:
 
     As the models choose their masks: with ``layer_types`` (Qwen2, Qwen3, Gemma3) a
     ``"sliding_attention"`` layer slides over ``sliding_window``; without (Mistral, Mixtral,
-    Phi3, Qwen3-MoE) every layer slides when ``sliding_window`` is set.
+    Phi3, Qwen3-MoE, StarCoder2) every layer slides when ``sliding_window`` is set; a config
+    with ``use_sliding_window=False`` (Qwen2, SmolLM3) slides nowhere.
     """
     n = text_config.num_hidden_layers
     window = getattr(text_config, "sliding_window", None)
+    if getattr(text_config, "use_sliding_window", True) is False:
+        window = None
     layer_types = getattr(text_config, "layer_types", None)
     if layer_types is None:
         return [window] * n

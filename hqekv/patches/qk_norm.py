@@ -1,4 +1,4 @@
-"""Per-head RMSNorm on queries and keys before RoPE: Qwen3, Qwen3-MoE and Gemma3.
+"""Per-head RMSNorm on queries and keys before RoPE: Qwen3, Qwen3-MoE, Gemma3 and Apertus.
 
 Gemma3's other differences live elsewhere: its ``query_pre_attn_scalar`` scaling is the
 module's ``scaling``, which the shared forward passes on; its local layers are

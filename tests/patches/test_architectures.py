@@ -14,7 +14,8 @@ from hqekv.cache import HqeKVLayer
 from hqekv.patching import output_cache
 from hqekv.cache.sliding import SlidingWindowLayer, sliding_attention
 from .. import helpers
-from ..helpers import FAMILIES, MIXED, SLIDING_WINDOW, compiled_generate, greedy, stored_bytes, tiny_model
+from ..helpers import FAMILIES, MIXED, SLIDING_WINDOW, compiled_generate, greedy, sharpen_attention, stored_bytes
+from ..helpers import tiny_model
 from ..helpers import assert_left_padding_matches_single_rows
 
 BUDGETS = (2.0, 3.2)
@@ -48,6 +49,23 @@ def test_fp16_ratios_reproduce_unpatched_and_unpatch_is_exact(family):
         assert torch.equal(model(ids).logits, logits)
     assert not any("forward" in m.__dict__ for m in model.modules())
     assert "generate" not in model.__dict__
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_prompt_in_two_pieces_gives_the_unpatched_logits(family):
+    """The second piece attends through hqekv's own attention over the cached keys, which
+    must carry the model's positional encoding (RoPE, partial RoPE, none on NoPE layers),
+    norms and scaling: with attention sharp enough for each of them to change the logits."""
+    model = tiny_model(family)
+    sharpen_attention(model)
+    ids = prompt(150)  # longer than the sliding window
+    with torch.no_grad():
+        full = model(ids).logits[:, 100:]
+    patch(model, ratios=hqekv.FP16_RATIOS, fp_dtype="model")
+    with torch.no_grad():
+        first = model(ids[:, :100], use_cache=True)
+        second = model(ids[:, 100:], cache=output_cache(first), use_cache=True).logits
+    torch.testing.assert_close(second, full, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -106,6 +124,17 @@ def test_sliding_layers_hold_exactly_the_window(family):
     report = hqekv.memory_report(cache)
     n_sliding = kinds.count(SlidingWindowLayer)
     assert report.bytes_by_part["sliding"] == n_sliding * (2 * layer.buffer.keys.nbytes + layer.buffer.valid.nbytes)
+
+
+def test_a_config_that_turns_sliding_off_slides_nowhere():
+    """SmolLM3 slides a layer only when ``use_sliding_window`` is set, whatever ``layer_types`` says."""
+    import transformers as T
+
+    config = T.SmolLM3Config(num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"],
+                             sliding_window=SLIDING_WINDOW, use_sliding_window=False)  # fmt: skip
+    assert hqekv.patches.sliding_windows(config) == [None, None]
+    config.use_sliding_window = True
+    assert hqekv.patches.sliding_windows(config) == [SLIDING_WINDOW, None]
 
 
 def test_multi_token_input_on_a_filled_window_equals_the_unpatched_model():
