@@ -69,11 +69,6 @@ DEFERRED = 2.0
 ``settle``), the model's budget times this is what the cache may hold: nothing is evicted
 before the prompt's end is seen, and this allowance is real memory, counted by the memory
 report, on top of what the prompt settles to."""
-DEFERRED_LOWEST = None
-"""While a prompt arrives in pieces, the lowest tier a chunk may take (``tiers.INT4``: every
-chunk waits at 4 bits unless the allocator keeps it in FP16, as chunks wait under fixed
-ratios, even where that holds more than :data:`DEFERRED` times the budget); None: any tier
-but eviction (the default)."""
 DEFERRED_LOWEST = INT1
 """While a prompt arrives in pieces, the lowest tier a chunk may take: ``INT4`` makes every
 chunk wait at 4 bits unless the allocator keeps it in FP16, as chunks wait under fixed
