@@ -348,7 +348,7 @@ def _info(args) -> int:
                                                        "superseded": a.superseded, **a.metadata}))  # fmt: skip
     if args.model:
         from .packaged_models import model_config
-        from .patches import SUPPORTED_MODEL_TYPES
+        from .patches import check_supported
 
         config = model_config(args.model, args.gguf_file)
         fingerprint = model_fingerprint(config)
@@ -357,14 +357,20 @@ def _info(args) -> int:
         superseded = [a.path.name for a in fitting if a.superseded]
         listed = [a.path.name + (" (superseded: the allocator runs at its bytes)" if a.superseded else "") for a in fitting]
         fields = fingerprint_fields(config)
-        supported = fields["model_type"] in SUPPORTED_MODEL_TYPES
+        try:  # the model type and its attention features, as patch_model checks them
+            check_supported(config.get_text_config())
+            unsupported = None
+        except ValueError as err:
+            unsupported = str(err)
+        supported = unsupported is None
+        said = "True" if supported else f"False ({unsupported})"
         text = "\n".join(
-            [f"{args.model}", f"  config fingerprint: {fingerprint}", f"  supported by hqekv: {supported}"]
+            [f"{args.model}", f"  config fingerprint: {fingerprint}", f"  supported by hqekv: {said}"]
             + [f"  {k}: {v}" for k, v in fields.items()]
             + [f"  shipped artifacts: {', '.join(listed) or 'none'}"]
         )
         records.append(("model", text, {"model": args.model, "config_fingerprint": fingerprint,
-                                        "supported": supported, **fields, "shipped_artifacts": shipped,
+                                        "supported": supported, "unsupported_because": unsupported, **fields, "shipped_artifacts": shipped,
                                         "superseded_artifacts": superseded}))  # fmt: skip
     if args.json:
         print(json.dumps([r[2] for r in records], indent=1))

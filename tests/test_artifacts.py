@@ -255,6 +255,21 @@ def test_cli_info_on_a_model_names_its_superseded_artifacts(tmp_path, model, mon
     assert f"shipped artifacts: {path.name} (superseded: the allocator runs at its bytes)" in capsys.readouterr().out
 
 
+def test_cli_info_says_why_a_model_is_not_supported(tmp_path, capsys):
+    """Not only by its model type: an attention feature patch_model refuses makes it unsupported too."""
+    from .helpers import tiny_model
+
+    config = tiny_model("gemma3_text").config
+    config.save_pretrained(tmp_path / "plain")
+    config.attn_logit_softcapping = 50.0
+    config.save_pretrained(tmp_path / "capped")
+    assert main(["info", "--model", str(tmp_path / "plain"), "--json"]) == 0
+    (record,) = json.loads(capsys.readouterr().out)
+    assert record["supported"] and record["unsupported_because"] is None
+    assert main(["info", "--model", str(tmp_path / "capped")]) == 0
+    assert "supported by hqekv: False (gemma3_text: attention logit soft-capping is not supported" in capsys.readouterr().out
+
+
 def test_calibrated_ratios_insist_on_an_artifact(tmp_path, model, monkeypatch, own_artifacts):
     monkeypatch.setattr(artifacts, "SHIPPED_DIR", tmp_path)
     with pytest.raises(ArtifactError, match=r"ratios='calibrated': no calibrated artifact .* at bavg=2 .*ratios='auto'"):
