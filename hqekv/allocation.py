@@ -69,11 +69,6 @@ DEFERRED = 2.0
 ``settle``), the model's budget times this is what the cache may hold: nothing is evicted
 before the prompt's end is seen, and this allowance is real memory, counted by the memory
 report, on top of what the prompt settles to."""
-DEFERRED_LOWEST = INT1
-"""While a prompt arrives in pieces, the lowest tier a chunk may take: ``INT4`` makes every
-chunk wait at 4 bits unless the allocator keeps it in FP16, as chunks wait under fixed
-ratios, even where that holds more than :data:`DEFERRED` times the budget; ``INT1`` (the
-default): any tier but eviction."""
 DEFERRED_PRIOR = 0.0
 """:data:`PRIOR` while a prompt arrives in pieces: the window of an early piece is a poor
 sample of the queries the prompt's end will ask, so its chunks may be priced with more of a
@@ -329,7 +324,6 @@ def allocate(
     evictable: torch.Tensor,
     budget: torch.Tensor,
     fixed: torch.Tensor | None = None,
-    lowest: int = INT1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V tier of every chunk that minimise the distortion within ``budget`` bytes per row.
 
@@ -338,8 +332,7 @@ def allocate(
     no chunk); tiers only move down, and the distortion a chunk already has at its tier is
     sunk: each choice costs what it adds to it;
     evictable (B, C) bool; budget (B,) bytes for the chunks; fixed (B, C) bool, when given:
-    chunks that keep their tiers (their bytes count against the budget); lowest: no chunk
-    moves below this tier (it may then hold more than the budget).
+    chunks that keep their tiers (their bytes count against the budget).
     -> new k_tier, v_tier (B, C) int64, EVICTED at the same places in both.
 
     One λ per row, by bisection on log λ: the smallest price of a byte whose choices fit the
@@ -357,9 +350,9 @@ def allocate(
     bk, bv = bytes_k.to(device) / unit, bytes_v.to(device) / unit
     # a tier above the current one is not a choice (chunks only move down), and staying costs
     # nothing: a chunk that keeps its tier keeps its codes
+    allowed_k = tiers[None, None, :] >= k_tier.clamp(0, INT1)[..., None]
+    allowed_v = tiers[None, None, :] >= v_tier.clamp(0, INT1)[..., None]
     cur_k, cur_v = k_tier.clamp(0, INT1)[..., None], v_tier.clamp(0, INT1)[..., None]
-    allowed_k = (tiers >= cur_k) & ((tiers <= lowest) | (tiers == cur_k))
-    allowed_v = (tiers >= cur_v) & ((tiers <= lowest) | (tiers == cur_v))
     if fixed is not None:
         allowed_k &= ~fixed[..., None] | (tiers == cur_k)
         allowed_v &= ~fixed[..., None] | (tiers == cur_v)
@@ -438,11 +431,7 @@ def tier_bytes(k_tier: torch.Tensor, v_tier: torch.Tensor, bytes_k: torch.Tensor
 
 
 def share(
-    layers: list[LayerChoices],
-    bytes_k: torch.Tensor,
-    bytes_v: torch.Tensor,
-    floor: float | None = None,
-    lowest: int = INT1,
+    layers: list[LayerChoices], bytes_k: torch.Tensor, bytes_v: torch.Tensor, floor: float | None = None
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """K and V tiers of every layer's chunks under one budget for the model (per row).
 
@@ -468,7 +457,7 @@ def share(
     fixed = torch.zeros_like(evictable)
     total = sum(x.budget for x in layers)
     for _ in range(len(layers) + 1):
-        k, v = allocate(d_k, d_v, d_evict, bytes_k, bytes_v, k_tier, v_tier, evictable, total, fixed, lowest)
+        k, v = allocate(d_k, d_v, d_evict, bytes_k, bytes_v, k_tier, v_tier, evictable, total, fixed)
         if floor <= 0:
             break
         moved = False

@@ -172,28 +172,6 @@ def test_allocation_only_moves_tiers_down_and_spends_more_where_the_budget_is_la
     assert torch.equal(k, current) and torch.equal(v, current)
 
 
-def test_no_chunk_moves_below_the_lowest_tier_even_past_the_budget():
-    gen = torch.Generator().manual_seed(1)
-    d_k = torch.rand(1, 10, 4, generator=gen).cumsum(-1)
-    d_v = torch.rand(1, 10, 4, generator=gen).cumsum(-1)
-    d_k[..., 0] = d_v[..., 0] = 0
-    d_e = d_k[..., INT1] + d_v[..., INT1]
-    bytes_k, bytes_v = allocation.chunk_bytes(2, 32, 16, 16, 2, 2)
-    current = torch.tensor([[FP16, FP16, INT4, INT2, FP16, FP16, FP16, INT4, FP16, FP16]])
-    no_eviction = torch.zeros(1, 10, dtype=torch.bool)
-    tight = torch.tensor([1000.0])  # less than every chunk at 4 bits
-    k, v = allocation.allocate(d_k, d_v, d_e, bytes_k, bytes_v, current, current, no_eviction, tight, lowest=INT4)
-    expected = torch.maximum(current, torch.full_like(current, INT4))  # the chunk already at 2 bits stays there
-    assert torch.equal(k, expected) and torch.equal(v, expected)
-    # with room for everything, nothing moves
-    roomy = torch.tensor([1e9])
-    k, v = allocation.allocate(d_k, d_v, d_e, bytes_k, bytes_v, current, current, no_eviction, roomy, lowest=INT4)
-    assert torch.equal(k, current) and torch.equal(v, current)
-    # without the floor the same tight budget sends chunks below 4 bits
-    k, _ = allocation.allocate(d_k, d_v, d_e, bytes_k, bytes_v, current, current, no_eviction, tight)
-    assert (k > INT4).sum() > 1
-
-
 def test_sharing_moves_bytes_to_the_layer_whose_relative_error_they_lower_most():
     bytes_k, bytes_v = allocation.chunk_bytes(2, 32, 16, 16, 2, 2)
     gen = torch.Generator().manual_seed(3)

@@ -13,7 +13,6 @@ from transformers.cache_utils import Cache
 from .. import allocation
 from ..config import HqeKVConfig
 from ..memory import cache_report
-from ..tiers import INT1
 from . import budget, rerank
 from .layer import HqeKVLayer
 from .sliding import SlidingWindowLayer
@@ -126,11 +125,10 @@ class HqeKVCache(Cache):
             )
             for layer in layers
         ]
-        lowest = allocation.DEFERRED_LOWEST if any(layer.deferring for layer in layers) else INT1
         if allocation.LAYER_SCALE == "off":
-            tiers = [allocation.share([found], *budget.chunk_bytes(layers[0]), lowest=lowest)[0] for found in choices]
+            tiers = [allocation.share([found], *budget.chunk_bytes(layers[0]))[0] for found in choices]
         else:
-            tiers = allocation.share(choices, *budget.chunk_bytes(layers[0]), lowest=lowest)
+            tiers = allocation.share(choices, *budget.chunk_bytes(layers[0]))
         for layer, found, (k, v) in zip(layers, choices, tiers):
             layer.pending = None
             with torch.no_grad():

@@ -351,7 +351,7 @@ def rerank(layer, rows: torch.Tensor, provisional: bool = False) -> None:
             found.evictable = torch.zeros_like(found.evictable)
         prop_k, prop_v = allocation.allocate(
             found.d_k, found.d_v, found.d_evict, *budget.chunk_bytes(layer), found.k_tier, found.v_tier,
-            found.evictable, found.budget, lowest=allocation.DEFERRED_LOWEST if layer.deferring else INT1,
+            found.evictable, found.budget,
         )  # fmt: skip
     else:
         score_k, score_v = chunk_scores(layer)
