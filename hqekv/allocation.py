@@ -64,11 +64,24 @@ PROVISIONAL = 2.0
 """A multi-token input first keeps each layer within this many times its budget share; right
 after the forward, the cache shares the model's budget between its layers
 (:func:`share`), moving chunks only down, so a layer can end with up to this share."""
+DEFERRED_WAIT = "int4"
+"""How the cache holds a prompt's chunks while it arrives in pieces
+(:meth:`~hqekv.cache.HqeKVCache.defer_eviction` until ``settle``): nothing is evicted before
+the prompt's end is seen, and
+
+- "int4" (the default): every chunk waits at 4 bits but the protected ones (FP16), as under
+  fixed ratios, so that the prompt's end can still place any chunk at any tier below FP16;
+  the transient is the 4-bit codes and their metadata, about 5 bits per element;
+- "budget": the allocator chooses within :data:`DEFERRED` times the budget, the layers
+  sharing it after each piece; chunks the early pieces' windows do not read fall to 2 and
+  1 bit, and the prompt's end cannot bring them back (an ablation: docs/results.md, "The
+  allocator's allowance while a prompt arrives in pieces").
+
+Either allowance is real memory, counted by the memory report, on top of what the prompt
+settles to."""
 DEFERRED = 2.0
-"""While a prompt arrives in pieces (:meth:`~hqekv.cache.HqeKVCache.defer_eviction` until
-``settle``), the model's budget times this is what the cache may hold: nothing is evicted
-before the prompt's end is seen, and this allowance is real memory, counted by the memory
-report, on top of what the prompt settles to."""
+"""Under ``DEFERRED_WAIT = "budget"``, the model's budget times this is what the cache may
+hold while a prompt arrives in pieces."""
 DEFERRED_PRIOR = 0.0
 """:data:`PRIOR` while a prompt arrives in pieces: the window of an early piece is a poor
 sample of the queries the prompt's end will ask, so its chunks may be priced with more of a

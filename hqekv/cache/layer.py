@@ -304,8 +304,7 @@ class HqeKVLayer(RowStateLayer):
         if self.deferring and self.config.allocation == "rate-distortion":
             # a piece of a prompt under the allocator: its re-rank waits for the end of the
             # forward (HqeKVCache.share_budget), so that its transient never adds to the
-            # forward's activations; the piece's chunks stay FP16 until then, where a provisional
-            # cut (twice the layer's share) leaves them too once the cache holds a few pieces
+            # forward's activations; the piece's chunks stay FP16 until then
             self.rerank_due = due if self.rerank_due is None else self.rerank_due | due
         elif bool(due.any()):
             self.rerank(due, provisional=True)

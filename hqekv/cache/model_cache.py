@@ -116,7 +116,8 @@ class HqeKVCache(Cache):
         if not layers:
             return
         # the model's budget is every layer's fair part, whatever shares the layers held before;
-        # while a prompt arrives in pieces, allocation.DEFERRED times that and no eviction (settle() ends it)
+        # while a prompt arrives in pieces (DEFERRED_WAIT "budget"), allocation.DEFERRED times
+        # that and no eviction (settle() ends it)
         choices = [
             dataclasses.replace(
                 layer.pending,
@@ -142,9 +143,9 @@ class HqeKVCache(Cache):
         """A prompt will arrive in pieces (``generate(prefill_chunk_size=...)`` calls this; so
         can a loop of one's own): until :meth:`settle`, re-ranks quantize as usual but evict
         nothing, since the pieces to come (the question, at the end of a prompt) may need
-        what an early piece's queries did not look at. Chunks the policy would evict wait
-        at 1 bit (the allocator, ``ratios="auto"``: within :data:`~hqekv.allocation.DEFERRED`
-        times the budget, twice by default); that transient
+        what an early piece's queries did not look at. Every chunk waits at 4 bits, but
+        those the policy keeps in FP16 (fixed ratios) or protects (the allocator,
+        ``ratios="auto"``; :data:`~hqekv.allocation.DEFERRED_WAIT`); that transient
         allowance is real memory, and the memory report counts it until :meth:`settle`.
         A no-op when :data:`DEFER_EVICTION` is False."""
         for layer in self.hqekv_layers:

@@ -331,21 +331,36 @@ def allocator_choices(layer, provisional: bool = False) -> "allocation.LayerChoi
     return allocation.LayerChoices(d_k, d_v, d_evict, table.k_tier, table.v_tier, evictable, row_budget, energy)
 
 
+def waiting_at_int4(layer, table: ChunkTable) -> torch.Tensor:
+    """Under the allocator while a prompt arrives in pieces (:data:`allocation.DEFERRED_WAIT`
+    "int4"): the tier (B, C) each chunk of ``table`` waits at for the prompt's end, FP16 for
+    the top ``protected_chunks`` under either importance metric (those the allocator never
+    evicts), 4 bits for every other chunk, as chunks wait under fixed ratios."""
+    chunks = table.kept()
+    protected = torch.zeros_like(chunks)
+    for component_scores in chunk_scores(layer):
+        protected |= chunks & (policy.descending_rank(component_scores, chunks) < layer.config.protected_chunks)
+    return torch.where(protected, FP16, INT4)
+
+
 def rerank(layer, rows: torch.Tensor, provisional: bool = False) -> None:
     """Re-rank the chunks of ``rows`` (B,) bool of ``layer`` and move them down the tiers.
 
     Importance comes from the window queries over the current cache; chunks only move
     downward (FP16 → 4 → 2 → 1 → evicted), re-quantized from their dequantized values.
-    While ``layer.deferring`` (a prompt in pieces), no chunk is evicted, and under fixed
-    ratios each chunk waits at 4 bits unless the policy keeps it in FP16 (:data:`WAITING`)
-    for :meth:`HqeKVCache.settle`. Under ``allocation="rate-distortion"``, ``provisional``
+    While ``layer.deferring`` (a prompt in pieces), no chunk is evicted, and each chunk waits
+    at 4 bits for :meth:`HqeKVCache.settle` unless the policy keeps it in FP16 (fixed ratios,
+    :data:`WAITING`) or it is protected (the allocator, :func:`waiting_at_int4`). Under ``allocation="rate-distortion"``, ``provisional``
     (a multi-token input) keeps the layer within :data:`~hqekv.allocation.PROVISIONAL` times
     its budget and leaves its choices in ``layer.pending`` for
     :meth:`HqeKVCache.share_budget`.
     """
     table = layer.live_table()
     cfg = layer.config
-    if cfg.allocation == "rate-distortion":
+    found = None
+    if cfg.allocation == "rate-distortion" and layer.deferring and allocation.DEFERRED_WAIT == "int4":
+        prop_k = prop_v = waiting_at_int4(layer, table)  # no budget is shared until settle
+    elif cfg.allocation == "rate-distortion":
         found = allocator_choices(layer, provisional)
         if layer.deferring:
             found.evictable = torch.zeros_like(found.evictable)
@@ -365,7 +380,7 @@ def rerank(layer, rows: torch.Tensor, provisional: bool = False) -> None:
     new_v = torch.where(here, prop_v, table.v_tier)
     apply_tiers(layer, table, new_k, new_v)
     layer.counters.since_rerank.masked_fill_(rows, 0)
-    if provisional and cfg.allocation == "rate-distortion":
+    if provisional and found is not None:
         new_k, new_v = torch.maximum(table.k_tier, new_k), torch.maximum(table.v_tier, new_v)
         kept = table.kept() & (new_k != EVICTED)
         layer.pending = found.kept(kept, new_k, new_v)

@@ -11,6 +11,7 @@ from transformers import CompileConfig
 import hqekv
 from hqekv.cache import budget
 from hqekv.eval.tasks import prefill
+from hqekv.tiers import FP16, INT4
 
 from ..helpers import MIXED, prompt, tiny_llama
 
@@ -150,13 +151,41 @@ def test_the_allocator_keeps_the_model_budget_after_every_prompt_chunk():
                 assert held <= allowed, (start, held, allowed)
 
 
+def test_under_the_allocator_a_deferred_prompt_waits_at_4_bits_but_its_protected_chunks():
+    """Under ``ratios="auto"`` (``DEFERRED_WAIT = "int4"``), while a prompt arrives in pieces,
+    every chunk waits at 4 bits, keys and values, but the top ``protected_chunks`` under
+    either importance metric, in FP16; nothing is evicted and the memory report counts what
+    they hold; ``settle()`` brings them within the budget."""
+    model = tiny_llama(layers=3)
+    hqekv.patch_model(model, value_group=16, bavg=2.0, ratios="auto")
+    protected = hqekv.patch_config(model).protected_chunks
+    ids = prompt(1024, seed=5)
+    for start, cache in in_pieces(model, ids):
+        for layer in cache.hqekv_layers:
+            table = layer.live_table()
+            kept = table.kept()
+            k, v = table.k_tier[kept], table.v_tier[kept]
+            assert torch.equal(k, v) and set(k.tolist()) <= {FP16, INT4}, start
+            assert int((k == FP16).sum()) <= 2 * protected  # the top chunks of keys, of values
+        used, _ = held_and_allowed(cache)
+        parts = cache.memory_report().bytes_by_part
+        assert sum(n for part, n in parts.items() if part[:2] in ("k.", "v.")) == used
+    assert all(int(layer.counters.n_evicted.sum()) == 0 for layer in cache.hqekv_layers)
+    assert any(int((layer.live_table().k_tier == INT4).sum()) > 0 for layer in cache.hqekv_layers)
+    cache.settle()
+    used, allowed = held_and_allowed(cache)
+    assert used <= allowed
+    assert any(int(layer.counters.n_evicted.sum()) > 0 for layer in cache.hqekv_layers)
+
+
 @pytest.mark.parametrize("allowance, prior", [(2.0, 0.0), (1.5, 1.0)])
 def test_a_deferred_prompt_holds_its_stated_allowance_under_the_allocator(allowance, prior, monkeypatch):
-    """Under ``ratios="auto"``, while a prompt arrives in pieces, the chunks of all layers hold
-    at most ``allocation.DEFERRED`` times the model's budget after every piece and evict
-    nothing; the memory report counts what they hold; ``settle()`` brings them within the
-    budget itself. ``DEFERRED_PRIOR`` prices the pieces' chunks alone: a one-shot prefill is
-    the same with it."""
+    """Under ``ratios="auto"`` with ``DEFERRED_WAIT = "budget"``, while a prompt arrives in
+    pieces, the chunks of all layers hold at most ``allocation.DEFERRED`` times the model's
+    budget after every piece and evict nothing; the memory report counts what they hold;
+    ``settle()`` brings them within the budget itself. ``DEFERRED_PRIOR`` prices the pieces'
+    chunks alone: a one-shot prefill is the same with it."""
+    monkeypatch.setattr(hqekv.allocation, "DEFERRED_WAIT", "budget")
     monkeypatch.setattr(hqekv.allocation, "DEFERRED", allowance)
     monkeypatch.setattr(hqekv.allocation, "DEFERRED_PRIOR", prior)
     model = tiny_llama(layers=3)
