@@ -83,7 +83,8 @@ DEFERRED = 2.0
 """Under ``DEFERRED_WAIT = "budget"``, the model's budget times this is what the cache may
 hold while a prompt arrives in pieces."""
 DEFERRED_PRIOR = 0.0
-""":data:`PRIOR` while a prompt arrives in pieces: the window of an early piece is a poor
+""":data:`PRIOR` while a prompt arrives in pieces, under ``DEFERRED_WAIT = "budget"`` (the
+allocator does not choose before ``settle`` otherwise): the window of an early piece is a poor
 sample of the queries the prompt's end will ask, so its chunks may be priced with more of a
 future query's attention spread evenly (1: evenly alone)."""
 LAYER_FLOOR = 0.0
