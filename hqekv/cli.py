@@ -370,8 +370,8 @@ def _info(args) -> int:
             + [f"  shipped artifacts: {', '.join(listed) or 'none'}"]
         )
         records.append(("model", text, {"model": args.model, "config_fingerprint": fingerprint,
-                                        "supported": supported, "unsupported_because": unsupported, **fields, "shipped_artifacts": shipped,
-                                        "superseded_artifacts": superseded}))  # fmt: skip
+                                        "supported": supported, "unsupported_because": unsupported, **fields,
+                                        "shipped_artifacts": shipped, "superseded_artifacts": superseded}))  # fmt: skip
     if args.json:
         print(json.dumps([r[2] for r in records], indent=1))
     else:

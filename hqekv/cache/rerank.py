@@ -350,10 +350,10 @@ def rerank(layer, rows: torch.Tensor, provisional: bool = False) -> None:
     downward (FP16 → 4 → 2 → 1 → evicted), re-quantized from their dequantized values.
     While ``layer.deferring`` (a prompt in pieces), no chunk is evicted, and each chunk waits
     at 4 bits for :meth:`HqeKVCache.settle` unless the policy keeps it in FP16 (fixed ratios,
-    :data:`WAITING`) or it is protected (the allocator, :func:`waiting_at_int4`). Under ``allocation="rate-distortion"``, ``provisional``
-    (a multi-token input) keeps the layer within :data:`~hqekv.allocation.PROVISIONAL` times
-    its budget and leaves its choices in ``layer.pending`` for
-    :meth:`HqeKVCache.share_budget`.
+    :data:`WAITING`) or it is protected (the allocator, :func:`waiting_at_int4`). Under
+    ``allocation="rate-distortion"``, ``provisional`` (a multi-token input) keeps the layer
+    within :data:`~hqekv.allocation.PROVISIONAL` times its budget and leaves its choices in
+    ``layer.pending`` for :meth:`HqeKVCache.share_budget`.
     """
     table = layer.live_table()
     cfg = layer.config
