@@ -322,25 +322,29 @@ def allocator_choices(layer, provisional: bool = False) -> "allocation.LayerChoi
             )  # fmt: skip
     d_k, d_v, d_evict = allocation.with_successors(d_k, d_v, d_evict, table.chunk_pos, allocation.NEXT_CHUNK)
     chunks = table.kept()
-    evictable = chunks
-    for component_scores in scores:
-        evictable = evictable & (policy.descending_rank(component_scores, chunks) >= cfg.protected_chunks)
+    evictable = chunks & ~protected(scores, chunks, cfg.protected_chunks)
     allowance = allocation.PROVISIONAL if provisional else 1.0
     row_budget = budget.fair_budget(layer) * layer.counters.budget_share * allowance
     energy = out.square().sum((1, 2, 3, 4))
     return allocation.LayerChoices(d_k, d_v, d_evict, table.k_tier, table.v_tier, evictable, row_budget, energy)
 
 
+def protected(scores, chunks: torch.Tensor, n: int) -> torch.Tensor:
+    """(B, C) bool: the chunks among ``chunks`` in the top ``n`` under either of the importance
+    ``scores`` (keys', values', each (B, C)), which the allocator never evicts."""
+    top = torch.zeros_like(chunks)
+    for component_scores in scores:
+        top |= chunks & (policy.descending_rank(component_scores, chunks) < n)
+    return top
+
+
 def waiting_at_int4(layer, table: ChunkTable) -> torch.Tensor:
     """Under the allocator while a prompt arrives in pieces (:data:`allocation.DEFERRED_WAIT`
     "int4"): the tier (B, C) each chunk of ``table`` waits at for the prompt's end, FP16 for
-    the top ``protected_chunks`` under either importance metric (those the allocator never
-    evicts), 4 bits for every other chunk, as chunks wait under fixed ratios."""
-    chunks = table.kept()
-    protected = torch.zeros_like(chunks)
-    for component_scores in chunk_scores(layer):
-        protected |= chunks & (policy.descending_rank(component_scores, chunks) < layer.config.protected_chunks)
-    return torch.where(protected, FP16, INT4)
+    the :func:`protected` chunks, 4 bits for every other chunk, as chunks wait under fixed
+    ratios."""
+    top = protected(chunk_scores(layer), table.kept(), layer.config.protected_chunks)
+    return torch.where(top, FP16, INT4)
 
 
 def rerank(layer, rows: torch.Tensor, provisional: bool = False) -> None:
