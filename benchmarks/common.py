@@ -36,13 +36,27 @@ def dense_cache_bytes(cache) -> int:
     return cache_memory(cache)["cache_bytes"]
 
 
+CPU_FEATURES = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+"""CPU flags that change which kernels torch runs, and so the figures: with ``amx_bf16`` a bf16
+SDPA on the CPU holds a packed copy of its keys and values (``benchmarks/sdpa_memory.py``)."""
+
+
+def cpu_features() -> list[str]:
+    """Those of :data:`CPU_FEATURES` that this CPU has (Linux ``/proc/cpuinfo``; empty elsewhere)."""
+    try:
+        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
+    except (OSError, StopIteration):
+        return []
+    return [f for f in CPU_FEATURES if f in flags]
+
+
 def save(name: str, payload: dict, path: Path | str | None = None) -> Path:
     """Write ``payload`` with the machine it ran on to ``results/NAME.json``, or to ``path``."""
     path = RESULTS / f"{name}.json" if path is None else Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = {
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
-                    "threads": torch.get_num_threads()},
+                    "threads": torch.get_num_threads(), "cpu_features": cpu_features()},
         **payload,
     }
     path.write_text(json.dumps(payload, indent=2) + "\n")
