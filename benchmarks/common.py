@@ -1,8 +1,9 @@
-"""Shared by the benchmark scripts: SmolLM2 loading, prompts, result files."""
+"""Shared by the benchmark scripts: SmolLM2 loading, prompts, peak memory, result files."""
 
 import json
 import os
 import platform
+import re
 import sys
 from pathlib import Path
 
@@ -48,6 +49,39 @@ def cpu_features() -> list[str]:
     except (OSError, StopIteration):
         return []
     return [f for f in CPU_FEATURES if f in flags]
+
+
+def _kib(field: str) -> int:
+    return int(re.search(rf"{field}:\s+(\d+) kB", open("/proc/self/status").read()).group(1)) * 1024
+
+
+class PeakMeter:
+    """Peak memory of what runs between :meth:`start` and :meth:`stop`, beyond what was held at the start."""
+
+    def __init__(self, device: str):
+        self.device = device
+
+    def start(self) -> None:
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.base = torch.cuda.memory_allocated()
+        else:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # the peak RSS (VmHWM) starts again from the current RSS
+            self.base = _kib("VmRSS")
+
+    def stop(self) -> int:
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+            return torch.cuda.max_memory_allocated() - self.base
+        return _kib("VmHWM") - self.base
+
+    @property
+    def method(self) -> str:
+        if self.device == "cuda":
+            return "torch.cuda.max_memory_allocated() during generate minus memory_allocated() before it"
+        return "peak RSS (VmHWM, reset by /proc/self/clear_refs) during generate minus the RSS before it"
 
 
 def save(name: str, payload: dict, path: Path | str | None = None) -> Path:

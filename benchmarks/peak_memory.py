@@ -37,13 +37,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 import time
 
 import torch
-from common import essay_ids, save
+from common import PeakMeter, essay_ids, save
 
 SHAPES = {
     "llama3-8b-attn": dict(hidden_size=4096, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=32,
@@ -57,39 +56,6 @@ SHAPES = {
 }  # fmt: skip
 RELEASE_FREED = "MALLOC_MMAP_THRESHOLD_=65536"
 CPU_CASES = ["smollm2:4096", "smollm2:8192", "qwen2.5-coder:16384", "llama3-8b-attn:16384", "llama3-8b-attn:32768"]
-
-
-def _kib(field: str) -> int:
-    return int(re.search(rf"{field}:\s+(\d+) kB", open("/proc/self/status").read()).group(1)) * 1024
-
-
-class PeakMeter:
-    """Peak memory of what runs between :meth:`start` and :meth:`stop`, beyond what was held at the start."""
-
-    def __init__(self, device: str):
-        self.device = device
-
-    def start(self) -> None:
-        if self.device == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            self.base = torch.cuda.memory_allocated()
-        else:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")  # the peak RSS (VmHWM) starts again from the current RSS
-            self.base = _kib("VmRSS")
-
-    def stop(self) -> int:
-        if self.device == "cuda":
-            torch.cuda.synchronize()
-            return torch.cuda.max_memory_allocated() - self.base
-        return _kib("VmHWM") - self.base
-
-    @property
-    def method(self) -> str:
-        if self.device == "cuda":
-            return "torch.cuda.max_memory_allocated() during generate minus memory_allocated() before it"
-        return "peak RSS (VmHWM, reset by /proc/self/clear_refs) during generate minus the RSS before it"
 
 
 def load(model_name: str, dtype: str | None, device: str):

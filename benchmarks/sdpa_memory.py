@@ -26,15 +26,9 @@ import subprocess
 import sys
 
 import torch
-from common import save
+from common import PeakMeter, save
 
 RELEASE_FREED = {"MALLOC_MMAP_THRESHOLD_": "65536"}
-
-
-def _status_mib(field: str) -> float:
-    with open("/proc/self/status") as f:
-        line = next(line for line in f if line.startswith(field))
-    return int(line.split()[1]) / 1024
 
 
 def measure(length: int, dtype: str, queries: int, heads: int, head_dim: int) -> dict:
@@ -45,11 +39,10 @@ def measure(length: int, dtype: str, queries: int, heads: int, head_dim: int) ->
     k = torch.randn(1, heads, length, head_dim, dtype=dt)
     v = torch.randn(1, heads, length, head_dim, dtype=dt)
     mask = torch.ones(queries, length, dtype=torch.bool).tril(length - queries)[None, None]
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    before = _status_mib("VmRSS")
+    meter = PeakMeter("cpu")
+    meter.start()
     out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    peak = _status_mib("VmHWM") - before
+    peak = meter.stop() / 2**20
     kv_mib = 2 * k.numel() * k.element_size() / 2**20
     out_mib = out.numel() * out.element_size() / 2**20
     return dict(length=length, dtype=dtype, queries=queries, heads=heads, head_dim=head_dim,
