@@ -72,8 +72,6 @@ the prompt's end is seen, and
 - "int4" (the default): every chunk waits at 4 bits but the protected ones (FP16), as under
   fixed ratios, so that the prompt's end can still place any chunk at any tier below FP16;
   the transient is the 4-bit codes and their metadata, about 5 bits per element;
-- "int4-keys": keys as under "int4", values at 2 bits (3.75 bits per element with the
-  metadata instead of 4.75: under a quarter of a 16-bit cache); an ablation;
 - "budget": the allocator chooses within :data:`DEFERRED` times the budget, the layers
   sharing it after each piece; chunks the early pieces' windows do not read fall to 2 and
   1 bit, and the prompt's end cannot bring them back (an ablation: docs/results.md, "The

@@ -338,14 +338,13 @@ def protected(scores, chunks: torch.Tensor, n: int) -> torch.Tensor:
     return top
 
 
-def waiting_at_int4(layer, table: ChunkTable) -> tuple[torch.Tensor, torch.Tensor]:
+def waiting_at_int4(layer, table: ChunkTable) -> torch.Tensor:
     """Under the allocator while a prompt arrives in pieces (:data:`allocation.DEFERRED_WAIT`
-    "int4" or "int4-keys"): the tiers (B, C) each chunk of ``table`` waits at for the
-    prompt's end, keys' and values': FP16 for the :func:`protected` chunks, 4 bits for every
-    other chunk, as chunks wait under fixed ratios ("int4-keys": values at 2 bits)."""
+    "int4"): the tier (B, C) each chunk of ``table`` waits at for the prompt's end, FP16 for
+    the :func:`protected` chunks, 4 bits for every other chunk, as chunks wait under fixed
+    ratios."""
     top = protected(chunk_scores(layer), table.kept(), layer.config.protected_chunks)
-    values = INT2 if allocation.DEFERRED_WAIT == "int4-keys" else INT4
-    return torch.where(top, FP16, INT4), torch.where(top, FP16, values)
+    return torch.where(top, FP16, INT4)
 
 
 def rerank(layer, rows: torch.Tensor, provisional: bool = False) -> None:
@@ -363,8 +362,8 @@ def rerank(layer, rows: torch.Tensor, provisional: bool = False) -> None:
     table = layer.live_table()
     cfg = layer.config
     found = None
-    if cfg.allocation == "rate-distortion" and layer.deferring and allocation.DEFERRED_WAIT != "budget":
-        prop_k, prop_v = waiting_at_int4(layer, table)  # no budget is shared until settle
+    if cfg.allocation == "rate-distortion" and layer.deferring and allocation.DEFERRED_WAIT == "int4":
+        prop_k = prop_v = waiting_at_int4(layer, table)  # no budget is shared until settle
     elif cfg.allocation == "rate-distortion":
         found = allocator_choices(layer, provisional)
         if layer.deferring:
