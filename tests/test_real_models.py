@@ -57,3 +57,23 @@ def test_fp16_ratios_reproduce_and_a_pass_key_survives_bavg_3_2(name, request):
     assert bool(sliding) == (name == "gemma3")
     if sliding:  # Gemma3: 15 sliding layers of 512 − 1 tokens, 3 global layers compressed
         assert len(sliding) == 15 and all(layer.buffer.keys.shape[2] == 511 for layer in sliding)
+
+
+def test_qwen25_finds_its_shipped_artifacts_at_the_extreme_budgets(qwen25):
+    """bavg 1 and 0.5 resolve to Qwen2.5-Coder's calibrated artifacts, not the allocator: on
+    held-out multi-value needles they keep every value the allocator drops some of
+    (docs/results.md, extreme budgets); no UncalibratedRatiosWarning."""
+    import warnings
+
+    model, _ = qwen25
+    for bavg in (1.0, 0.5):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            hqekv.patch_model(model, bavg=bavg)
+        try:
+            config = hqekv.patch_config(model)
+        finally:
+            hqekv.unpatch_model(model)
+        name = f"qwen2.5-coder-0.5b-instruct-bavg{bavg:g}.safetensors"
+        assert config.allocation == "ratios" and config.ratios_source == f"shipped:{name}"
+        assert config.layer_ratios is not None and len(config.layer_ratios) == model.config.num_hidden_layers
