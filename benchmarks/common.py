@@ -56,10 +56,11 @@ def _kib(field: str) -> int:
 
 
 class PeakMeter:
-    """Peak memory of what runs between :meth:`start` and :meth:`stop`, beyond what was held at the start."""
+    """Peak memory of what runs between :meth:`start` and :meth:`stop`, beyond what was held at
+    the start; ``what``: that code, for :attr:`method`."""
 
-    def __init__(self, device: str):
-        self.device = device
+    def __init__(self, device: str, what: str = "generate"):
+        self.device, self.what = device, what
 
     def start(self) -> None:
         if self.device == "cuda":
@@ -80,8 +81,8 @@ class PeakMeter:
     @property
     def method(self) -> str:
         if self.device == "cuda":
-            return "torch.cuda.max_memory_allocated() during generate minus memory_allocated() before it"
-        return "peak RSS (VmHWM, reset by /proc/self/clear_refs) during generate minus the RSS before it"
+            return f"torch.cuda.max_memory_allocated() during {self.what} minus memory_allocated() before it"
+        return f"peak RSS (VmHWM, reset by /proc/self/clear_refs) during {self.what} minus the RSS before it"
 
 
 def save(name: str, payload: dict, path: Path | str | None = None) -> Path:

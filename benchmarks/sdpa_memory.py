@@ -39,7 +39,7 @@ def measure(length: int, dtype: str, queries: int, heads: int, head_dim: int) ->
     k = torch.randn(1, heads, length, head_dim, dtype=dt)
     v = torch.randn(1, heads, length, head_dim, dtype=dt)
     mask = torch.ones(queries, length, dtype=torch.bool).tril(length - queries)[None, None]
-    meter = PeakMeter("cpu")
+    meter = PeakMeter("cpu", "one scaled_dot_product_attention call")
     meter.start()
     out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     peak = meter.stop() / 2**20
@@ -75,9 +75,8 @@ def main() -> None:
             rows.append(row)
             print(f"{length:6d} keys {dtype:9s} K+V {row['kv_mib']:7.1f} MiB  peak beyond {row['peak_beyond_mib']:7.1f} MiB"
                   f"  (beyond the output: {row['beyond_output_to_kv']:.2f}x K+V)")  # fmt: skip
-    save("sdpa_memory", {"method": "peak RSS (VmHWM, reset by /proc/self/clear_refs) during one "
-                         "scaled_dot_product_attention call minus the RSS before it, "
-                         "MALLOC_MMAP_THRESHOLD_=65536", "rows": rows}, args.out)  # fmt: skip
+    method = PeakMeter("cpu", "one scaled_dot_product_attention call").method
+    save("sdpa_memory", {"method": f"{method}, MALLOC_MMAP_THRESHOLD_=65536", "rows": rows}, args.out)
 
 
 if __name__ == "__main__":
