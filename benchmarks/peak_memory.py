@@ -3,6 +3,7 @@ against hqekv, one-shot and chunked (``prefill_chunk_size``), each case in a fre
 
     python benchmarks/peak_memory.py                       # the CPU cases below
     python benchmarks/peak_memory.py --cases llama3-8b-attn:32768 --chunks 2048 --bavg 2
+    python benchmarks/peak_memory.py --cases llama3-8b-attn:32768 --chunks 2048 --bavg 2 --layers 8  # deeper
     python benchmarks/peak_memory.py --cases llama3-8b:32768 --dtype bfloat16 --out ...  # on a GPU
 
 A case is ``MODEL:TOKENS``. MODEL is a packaged model (``smollm2``, ``qwen2.5-coder``; the
@@ -58,14 +59,16 @@ RELEASE_FREED = "MALLOC_MMAP_THRESHOLD_=65536"
 CPU_CASES = ["smollm2:4096", "smollm2:8192", "qwen2.5-coder:16384", "llama3-8b-attn:16384", "llama3-8b-attn:32768"]
 
 
-def load(model_name: str, dtype: str | None, device: str):
-    """-> model, and a function of n giving an (1, n) prompt."""
+def load(model_name: str, dtype: str | None, device: str, layers: int | None = None):
+    """-> model, and a function of n giving an (1, n) prompt; ``layers``: a random shape's
+    depth instead of its own."""
     if model_name in SHAPES:
         from transformers import LlamaConfig, LlamaForCausalLM
 
+        shape = {**SHAPES[model_name], **({"num_hidden_layers": layers} if layers else {})}
         torch.manual_seed(0)
         with torch.device(device):
-            model = LlamaForCausalLM(LlamaConfig(**SHAPES[model_name])).to(getattr(torch, dtype or "bfloat16")).eval()
+            model = LlamaForCausalLM(LlamaConfig(**shape)).to(getattr(torch, dtype or "bfloat16")).eval()
         gen = torch.Generator().manual_seed(0)
         return model, lambda n: torch.randint(0, model.config.vocab_size, (1, n), generator=gen).to(device)
     from hqekv.packaged_models import load_model
@@ -94,7 +97,7 @@ def run_one(spec: dict) -> dict:
         print(f"  [{spec['cache']} {spec['tokens']}] {what} at {time.perf_counter() - began:.1f} s", file=sys.stderr,
               flush=True)  # fmt: skip
 
-    model, prompt = load(spec["model"], spec.get("dtype"), device)
+    model, prompt = load(spec["model"], spec.get("dtype"), device, spec.get("layers"))
     progress("model loaded")
     if spec["cache"] != "dynamic":
         bavg, _, ratios = spec["cache"].partition(":")
@@ -150,6 +153,7 @@ def main():
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--dtype", help="model dtype (default: bfloat16 for random shapes, the packaged one otherwise)")
     parser.add_argument("--threads", type=int)
+    parser.add_argument("--layers", type=int, help="decoder layers of a random shape (default: its own; 4 for llama3-8b-attn)")
     parser.add_argument("--out", help="JSON path (default benchmarks/results/peak_memory.json)")
     parser.add_argument("--release-freed", action="store_true",
                         help=f"CPU: run the cases with {RELEASE_FREED} (glibc: freed blocks go back at once)")
@@ -169,7 +173,8 @@ def main():
             base = None
             for cache in ["dynamic", *args.bavg]:
                 spec = dict(model=model_name, tokens=int(tokens), chunk=chunk or None, cache=cache,
-                            new_tokens=args.new_tokens, dtype=args.dtype, threads=args.threads)  # fmt: skip
+                            new_tokens=args.new_tokens, dtype=args.dtype, threads=args.threads,
+                            **({"layers": args.layers} if args.layers else {}))  # fmt: skip
                 # the case's stderr (its progress, any traceback) goes straight to ours
                 done = subprocess.run(
                     [sys.executable, __file__, "--one", json.dumps(spec)], stdout=subprocess.PIPE, text=True, env=env
