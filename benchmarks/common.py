@@ -85,6 +85,31 @@ class PeakMeter:
         return f"peak RSS (VmHWM, reset by /proc/self/clear_refs) during {self.what} minus the RSS before it"
 
 
+RELEASE_FREED = "MALLOC_MMAP_THRESHOLD_=65536"
+"""glibc: freed blocks of 64 KiB or more go back to the system at once, so that a process's
+peak resident set is that of the memory in use."""
+
+
+def release_freed_env() -> dict[str, str]:
+    """This process's environment with :data:`RELEASE_FREED`, for a case's fresh process."""
+    name, value = RELEASE_FREED.split("=")
+    return {**os.environ, name: value}
+
+
+ROW = "ROW "
+"""How a case run in a fresh process hands its figures back: one line of stdout, this then JSON."""
+
+
+def print_row(row: dict) -> None:
+    print(ROW + json.dumps(row), flush=True)
+
+
+def read_row(stdout: str) -> dict | None:
+    """The figures a case printed with :func:`print_row` (its last such line), or None."""
+    rows = [line for line in stdout.splitlines() if line.startswith(ROW)]
+    return json.loads(rows[-1][len(ROW) :]) if rows else None
+
+
 def save(name: str, payload: dict, path: Path | str | None = None) -> Path:
     """Write ``payload`` with the machine it ran on to ``results/NAME.json``, or to ``path``."""
     path = RESULTS / f"{name}.json" if path is None else Path(path)

@@ -37,13 +37,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
 
 import torch
-from common import PeakMeter, essay_ids, save
+from common import RELEASE_FREED, PeakMeter, essay_ids, print_row, read_row, release_freed_env, save
 
 SHAPES = {
     "llama3-8b-attn": dict(hidden_size=4096, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=32,
@@ -55,7 +54,6 @@ SHAPES = {
     "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=256, max_position_embeddings=8192),
 }  # fmt: skip
-RELEASE_FREED = "MALLOC_MMAP_THRESHOLD_=65536"
 CPU_CASES = ["smollm2:4096", "smollm2:8192", "qwen2.5-coder:16384", "llama3-8b-attn:16384", "llama3-8b-attn:32768"]
 
 
@@ -160,12 +158,12 @@ def main():
     parser.add_argument("--one", help=argparse.SUPPRESS)  # a single case as JSON: run it here, print its row
     args = parser.parse_args()
     if args.one:
-        print("ROW " + json.dumps(run_one(json.loads(args.one))))
+        print_row(run_one(json.loads(args.one)))
         return
     header = {"measured_through": "model.generate (greedy), each case in a fresh process",
               "method": PeakMeter("cuda" if torch.cuda.is_available() else "cpu").method,
               "allocator": RELEASE_FREED if args.release_freed else "default"}  # fmt: skip
-    env = {**os.environ, **dict([RELEASE_FREED.split("=")])} if args.release_freed else None
+    env = release_freed_env() if args.release_freed else None
     rows = []
     for case in args.cases:
         model_name, tokens = case.rsplit(":", 1)
@@ -179,11 +177,10 @@ def main():
                 done = subprocess.run(
                     [sys.executable, __file__, "--one", json.dumps(spec)], stdout=subprocess.PIPE, text=True, env=env
                 )
-                lines = [line for line in done.stdout.splitlines() if line.startswith("ROW ")]
-                if done.returncode or not lines:
+                row = read_row(done.stdout)
+                if done.returncode or row is None:
                     rows.append({**spec, "error": f"exit status {done.returncode} (its stderr is above)"})
                     continue
-                row = json.loads(lines[-1][4:])
                 if cache == "dynamic":
                     base = row
                 elif base is not None:

@@ -21,14 +21,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 
 import torch
-from common import PeakMeter, save
-
-RELEASE_FREED = {"MALLOC_MMAP_THRESHOLD_": "65536"}
+from common import RELEASE_FREED, PeakMeter, print_row, read_row, release_freed_env, save
 
 
 def measure(length: int, dtype: str, queries: int, heads: int, head_dim: int) -> dict:
@@ -61,22 +58,22 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.one:
-        print("ROW " + json.dumps(measure(**json.loads(args.one))))
+        print_row(measure(**json.loads(args.one)))
         return
     rows = []
     for length in args.lengths:
         for dtype in args.dtypes:
             case = dict(length=length, dtype=dtype, queries=args.queries, heads=32, head_dim=128)
             cmd = [sys.executable, __file__, "--threads", str(args.threads), "--one", json.dumps(case)]
-            done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **RELEASE_FREED})
-            if done.returncode:
+            done = subprocess.run(cmd, capture_output=True, text=True, env=release_freed_env())
+            row = read_row(done.stdout)
+            if done.returncode or row is None:
                 raise RuntimeError(f"case {case} failed:\n{done.stderr[-2000:]}")
-            row = json.loads(next(line[4:] for line in done.stdout.splitlines() if line.startswith("ROW ")))
             rows.append(row)
             print(f"{length:6d} keys {dtype:9s} K+V {row['kv_mib']:7.1f} MiB  peak beyond {row['peak_beyond_mib']:7.1f} MiB"
                   f"  (beyond the output: {row['beyond_output_to_kv']:.2f}x K+V)")  # fmt: skip
     method = PeakMeter("cpu", "one scaled_dot_product_attention call").method
-    save("sdpa_memory", {"method": f"{method}, MALLOC_MMAP_THRESHOLD_=65536", "rows": rows}, args.out)
+    save("sdpa_memory", {"method": f"{method}, {RELEASE_FREED}", "rows": rows}, args.out)
 
 
 if __name__ == "__main__":
