@@ -6,8 +6,8 @@
 Each case runs one greedy ``model.generate`` and records, bit for bit, the generated tokens,
 a SHA-256 of every step's logits (float32) and the cache's memory report (chunks per tier,
 bytes per part). Cases: SmolLM2 with its shipped per-layer artifacts at bavg 2 and 3.2, with
-the rate-distortion allocator (``ratios="auto"``) and with a prompt fed in chunks; a batch of
-two prompts, the shorter left-padded; a static cache under ``torch.compile`` (transformers'
+the rate-distortion allocator (``ratios="auto"``), and with a prompt fed in chunks under
+either; a batch of two prompts, the shorter left-padded; a static cache under ``torch.compile`` (transformers'
 ``compile_config``, fullgraph); tiny random Gemma3- and Qwen3-shaped models (sliding layers,
 q/k norms). Floating-point results depend on the machine and the thread count, so compare
 files made on one machine with the same ``--threads``.
@@ -61,6 +61,8 @@ CASES = {
     "smollm2-bavg3.2": (_smollm2, dict(bavg=3.2), {}, False),
     "smollm2-auto2.6": (_smollm2, dict(bavg=2.6, ratios="auto"), {}, False),
     "smollm2-bavg2-chunked": (_smollm2, dict(bavg=2.0), dict(prefill_chunk_size=128), False),
+    "smollm2-auto2-chunked": (_smollm2, dict(bavg=2.0, ratios="auto"), dict(prefill_chunk_size=128), False),
+    "smollm2-auto2-chunked-padded-batch": (_smollm2, dict(bavg=2.0, ratios="auto"), dict(prefill_chunk_size=128), True),
     "smollm2-bavg2-padded-batch": (_smollm2, dict(bavg=2.0), {}, True),
     "smollm2-bavg2-static-compiled": (_smollm2, dict(bavg=2.0), dict(compile_config=_compile_config), False),
     "gemma3-tiny": (lambda: _tiny("gemma3_text"), dict(ratios=(0.25, 0.25, 0.25, 0.25)), {}, False),

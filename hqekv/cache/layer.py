@@ -89,7 +89,6 @@ class HqeKVLayer(RowStateLayer):
         self.query_window = QueryWindow.empty(key_states, hq, cfg.window, self.fp_dtype)
         self.counters = RowCounters.start(b, cfg.rerank_interval, self.device)
         self.pending = None  # choices of a multi-token input's re-rank, until the cache shares the budget
-        self.rerank_due = None  # rows whose re-rank of a prompt's piece waits for the end of the forward
         self.decoded = False  # decode steps wrote tail tokens that maintain() has not yet checked
         self.headroom = 0  # decode steps before any tail can be full, as of the last look at the tails
         self.is_initialized = True
@@ -301,12 +300,10 @@ class HqeKVLayer(RowStateLayer):
         counters.real_len = counters.real_len + n_new
         counters.since_rerank = counters.since_rerank + n_new
         due = chunk_ok.any(1) & (counters.since_rerank >= self.config.rerank_interval)
-        if self.deferring and self.config.allocation == "rate-distortion":
-            # a piece of a prompt under the allocator: its re-rank waits for the end of the
-            # forward (HqeKVCache.share_budget), so that its transient never adds to the
-            # forward's activations; the piece's chunks stay FP16 until then
-            self.rerank_due = due if self.rerank_due is None else self.rerank_due | due
-        elif bool(due.any()):
+        if bool(due.any()):
+            # within the forward: a prompt's piece waits at 4 bits before the next layer runs,
+            # so that no layer holds its piece in FP16 while the others run theirs (a piece's
+            # FP16 chunks in every layer outweigh one layer's re-rank transient)
             self.rerank(due, provisional=True)
 
     def _add_fp16_chunks(self, fk: torch.Tensor, fv: torch.Tensor, ok: torch.Tensor) -> None:
@@ -341,13 +338,6 @@ class HqeKVLayer(RowStateLayer):
     def rerank(self, rows: torch.Tensor, provisional: bool = False) -> None:
         """Re-rank the chunks of ``rows`` (B,) bool (:func:`hqekv.cache.rerank.rerank`)."""
         rerank.rerank(self, rows, provisional)
-
-    def rerank_waiting(self) -> None:
-        """Run the re-rank a prompt's piece left for the end of the forward (:meth:`_append`), if any."""
-        due, self.rerank_due = self.rerank_due, None
-        if due is not None and bool(due.any()):
-            with torch.no_grad():
-                self.rerank(due, provisional=True)
 
     # --- accounting ----------------------------------------------------------------------------
 

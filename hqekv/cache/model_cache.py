@@ -106,12 +106,7 @@ class HqeKVCache(Cache):
         price of a byte per row then decides every layer's chunks, so bytes move to the
         layers where they lower the relative output error most, and each layer keeps the
         share it ends with for its decode re-ranks. A no-op when no layer has choices left.
-        The re-ranks that a prompt's pieces leave for the end of the forward under
-        :meth:`defer_eviction` (:meth:`HqeKVLayer.rerank_waiting`) run first.
         """
-        for layer in self.hqekv_layers:
-            if layer.is_initialized:
-                layer.rerank_waiting()
         layers = [layer for layer in self.hqekv_layers if layer.is_initialized and layer.pending is not None]
         if not layers:
             return
@@ -157,9 +152,6 @@ class HqeKVCache(Cache):
         the prompt's last queries and evicts within the budget (SPEC §1.3); eager. A no-op
         unless :meth:`defer_eviction` was called."""
         layers = [layer for layer in self.hqekv_layers if layer.deferring]
-        for layer in layers:
-            if layer.is_initialized:
-                layer.rerank_waiting()  # the last piece's, where no share_budget ran it
         for layer in layers:
             layer.deferring = False
             if layer.is_initialized and layer.table.chunk_pos.numel():

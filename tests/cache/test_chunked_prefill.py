@@ -294,37 +294,32 @@ def test_a_prompt_in_pieces_ends_with_the_tiers_of_the_same_prompt_at_once(chunk
     assert chunked.total_bytes == once.total_bytes
 
 
-def test_the_allocator_re_ranks_a_prompt_s_pieces_after_the_forward_not_during_it(monkeypatch):
-    """Under ``ratios="auto"``, a piece of a deferred prompt is re-ranked once the forward
-    has run through every layer (before the budget is shared), so that the re-rank's
-    transient never adds to the forward's activations; in a one-shot prefill each layer
-    still re-ranks within the forward."""
-    from hqekv.cache import HqeKVLayer
-
+def test_under_the_allocator_a_prompt_s_piece_waits_at_4_bits_before_the_next_layer_runs(monkeypatch):
+    """While a prompt arrives in pieces under ``ratios="auto"``, each layer re-ranks its piece
+    within the forward: when a layer runs, every layer before it holds no FP16 chunk but the
+    ones it protects (the top ``protected_chunks`` of keys and of values), so the pieces of
+    all the layers are never held in FP16 at once (they were, when a piece's re-rank waited
+    for the end of the forward)."""
     model = tiny_llama(layers=3)
     hqekv.patch_model(model, value_group=16, bavg=2.0, ratios="auto")
-    inside = []
-    for block in model.model.layers:
+    protected = hqekv.patch_config(model).protected_chunks
+    cache = hqekv.new_cache(model)
+    cache.defer_eviction()
+    held = []  # (chunks, FP16 chunks) of each layer before the one that runs
+    for i, block in enumerate(model.model.layers):
         forward = block.forward
 
-        def run(*a, forward=forward, **k):
-            inside.append(True)
-            try:
-                return forward(*a, **k)
-            finally:
-                inside.pop()
+        def run(*a, forward=forward, i=i, **k):
+            for layer in cache.hqekv_layers[:i]:
+                table = layer.live_table()
+                fp16 = table.kept() & ((table.k_tier == FP16) | (table.v_tier == FP16))
+                held.append((int(table.kept().sum()), int(fp16.sum())))
+            return forward(*a, **k)
 
         monkeypatch.setattr(block, "forward", run)
-    during = []
-    rerank = HqeKVLayer.rerank
-    monkeypatch.setattr(
-        HqeKVLayer, "rerank", lambda self, *a, **k: (during.append(bool(inside)), rerank(self, *a, **k))[1]
-    )
     ids = prompt(1024, seed=5)
-    for _, cache in in_pieces(model, ids):
-        assert all(layer.rerank_due is None for layer in cache.hqekv_layers)  # none left waiting
-    assert during and not any(during)
-    during.clear()
     with torch.no_grad():
-        model(ids, cache=hqekv.new_cache(model))
-    assert during and all(during)
+        for start in range(0, ids.shape[1], 256):
+            model(ids[:, start : start + 256], cache=cache)
+    assert max(chunks for chunks, _ in held) > 4 * protected  # pieces of 8 chunks after the first
+    assert all(fp16 <= 2 * protected for _, fp16 in held), held
