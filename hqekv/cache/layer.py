@@ -301,9 +301,9 @@ class HqeKVLayer(RowStateLayer):
         counters.since_rerank = counters.since_rerank + n_new
         due = chunk_ok.any(1) & (counters.since_rerank >= self.config.rerank_interval)
         if bool(due.any()):
-            # within the forward: a prompt's piece waits at 4 bits before the next layer runs,
-            # so that no layer holds its piece in FP16 while the others run theirs (a piece's
-            # FP16 chunks in every layer outweigh one layer's re-rank transient)
+            # within the forward, a prompt's piece too: it leaves FP16 (to its waiting tier)
+            # before the next layer runs, so the layers never hold their pieces in FP16 at
+            # once (at depth those outweigh one layer's re-rank transient; docs/results.md)
             self.rerank(due, provisional=True)
 
     def _add_fp16_chunks(self, fk: torch.Tensor, fv: torch.Tensor, ok: torch.Tensor) -> None:
