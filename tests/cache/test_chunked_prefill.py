@@ -94,10 +94,11 @@ def test_beam_search_over_prefill_chunks():
     assert not any(layer.deferring for layer in chunked.hqekv_layers)
 
 
-def in_pieces(model, ids, piece=256):
-    """A new cache that defers eviction, fed ``ids`` a piece at a time as a loop of one's own
-    does: yields (start of the piece, the cache) after each piece's forward."""
-    cache = hqekv.new_cache(model)
+def in_pieces(model, ids, piece=256, cache=None):
+    """A cache that defers eviction (a new one unless ``cache`` is given), fed ``ids`` a piece
+    at a time as a loop of one's own does: yields (start of the piece, the cache) after each
+    piece's forward."""
+    cache = hqekv.new_cache(model) if cache is None else cache
     cache.defer_eviction()
     for start in range(0, ids.shape[1], piece):
         with torch.no_grad():
@@ -304,7 +305,6 @@ def test_under_the_allocator_a_prompt_s_piece_waits_at_4_bits_before_the_next_la
     hqekv.patch_model(model, value_group=16, bavg=2.0, ratios="auto")
     protected = hqekv.patch_config(model).protected_chunks
     cache = hqekv.new_cache(model)
-    cache.defer_eviction()
     held = []  # (chunks, FP16 chunks) of each layer before the one that runs
     for i, block in enumerate(model.model.layers):
         forward = block.forward
@@ -317,9 +317,7 @@ def test_under_the_allocator_a_prompt_s_piece_waits_at_4_bits_before_the_next_la
             return forward(*a, **k)
 
         monkeypatch.setattr(block, "forward", run)
-    ids = prompt(1024, seed=5)
-    with torch.no_grad():
-        for start in range(0, ids.shape[1], 256):
-            model(ids[:, start : start + 256], cache=cache)
+    for _ in in_pieces(model, prompt(1024, seed=5), cache=cache):
+        pass
     assert max(chunks for chunks, _ in held) > 4 * protected  # pieces of 8 chunks after the first
     assert all(fp16 <= 2 * protected for _, fp16 in held), held
