@@ -44,12 +44,14 @@ def _window_logits(queries, query_pos, query_valid, keys, key_pos, key_valid, sc
         yield logits.masked_fill(~visible[:, None], -float("inf"))
 
 
-def _window_probabilities(queries, query_pos, query_valid, keys, key_pos, key_valid, scaling, lse):
+def _window_probabilities(queries, query_pos, query_valid, keys, key_pos, key_valid, scaling, lse, held=None):
     """:func:`window_probabilities`; with ``lse`` (B, Hkv, g, m), normalized by it instead of
-    over ``keys`` alone (``keys`` being one tile of the cache)."""
+    over ``keys`` alone (``keys`` being one tile of the cache); ``held``: that tile's
+    visibility and logits, computed before (:func:`window_lse`)."""
     b, hq, m, _ = queries.shape
     hkv = keys.shape[1]
-    heads = _window_logits(queries, query_pos, query_valid, keys, key_pos, key_valid, scaling)
+    heads = iter(held) if held is not None else _window_logits(queries, query_pos, query_valid, keys, key_pos,
+                                                               key_valid, scaling)  # fmt: skip
     visible = next(heads)
     probs = queries.new_empty(b, hkv, hq // hkv, m, keys.shape[2], dtype=torch.float32)
     for h, logits in enumerate(heads):
@@ -60,33 +62,40 @@ def _window_probabilities(queries, query_pos, query_valid, keys, key_pos, key_va
     return probs, visible
 
 
-def window_lse(queries, query_pos, query_valid, tiles, scaling) -> torch.Tensor:
+def window_lse(queries, query_pos, query_valid, tiles, scaling, held: dict | None = None) -> torch.Tensor:
     """The log of each window query's softmax denominator over a cache given tile by tile.
 
     queries, query_pos, query_valid as :func:`window_probabilities`; ``tiles``: an iterable of
     (start, keys, values, key_pos, key_valid) as :func:`window_probabilities` takes the keys
     (values unused, may be None). -> (B, Hkv, g, m) float32, -inf for a query that sees nothing.
+    ``held``: a dict that keeps each tile's visibility and logits by its start, for
+    :func:`window_tiles` to reuse instead of computing them again (for a cache held whole:
+    the logits are a few times smaller than its keys and values).
     """
     total = None
-    for _, keys, _, key_pos, key_valid in tiles:
+    for start, keys, _, key_pos, key_valid in tiles:
         heads = _window_logits(queries, query_pos, query_valid, keys, key_pos, key_valid, scaling)
+        if held is not None:
+            heads = held[start] = list(heads)
+        heads = iter(heads)
         next(heads)
         lse = torch.stack([torch.logsumexp(logits, dim=-1) for logits in heads], dim=1)
         total = lse if total is None else torch.logaddexp(total, lse)
     return total
 
 
-def window_tiles(queries, query_pos, query_valid, tiles, scaling, lse):
+def window_tiles(queries, query_pos, query_valid, tiles, scaling, lse, held: dict | None = None):
     """:func:`window_probabilities` over a cache given tile by tile, never held whole.
 
     ``tiles`` as :func:`window_lse` takes them (values needed), ``lse`` what it returned for
-    the same cache. Yields (start, keys, values, probs, visible) per tile: probs (B, Hkv, g,
-    m, n) float32 and visible (B, m, n) of the tile's n tokens, as :func:`window_probabilities`
-    gives those columns for the whole cache (up to rounding).
+    the same cache, ``held`` what it kept there (the same results, not computed again).
+    Yields (start, keys, values, probs, visible) per tile: probs (B, Hkv, g, m, n) float32
+    and visible (B, m, n) of the tile's n tokens, as :func:`window_probabilities` gives those
+    columns for the whole cache (up to rounding).
     """
     for start, keys, values, key_pos, key_valid in tiles:
         probs, visible = _window_probabilities(
-            queries, query_pos, query_valid, keys, key_pos, key_valid, scaling, lse
+            queries, query_pos, query_valid, keys, key_pos, key_valid, scaling, lse, (held or {}).get(start)
         )  # fmt: skip
         yield start, keys, values, probs, visible
 

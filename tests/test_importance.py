@@ -79,6 +79,13 @@ def test_window_probabilities_by_tiles_are_those_of_the_whole_cache():
     assert torch.equal(torch.cat([vis for *_, vis in got], -1), visible)
     assert whole[1, :, :, 0].abs().max() == 0 and torch.cat([p for *_, p, _ in got], -1)[1, :, :, 0].abs().max() == 0
 
+    # the logits the first pass keeps give the second pass exactly what it computes itself
+    held = {}
+    assert torch.equal(window_lse(q, qpos, qvalid, tiles(), 0.3, held), lse)
+    assert sorted(held) == [0, 7, 14]
+    again = list(window_tiles(q, qpos, qvalid, tiles(), 0.3, lse, held))
+    assert all(torch.equal(p, pg) and torch.equal(vis, vg) for (*_, p, vis), (*_, pg, vg) in zip(got, again))
+
 
 def test_metrics_and_chunk_scores():
     attn = torch.tensor([[[0.5, 0.25, 0.25, 0.0]], [[0.1, 0.2, 0.3, 0.4]]]).reshape(1, 2, 4)

@@ -215,38 +215,50 @@ def dequantized_tiles(layer, values: bool = True, tile: int = RERANK_TILE_CHUNKS
         yield start, keys, vals, positions, valid
 
 
-def tile_reader(layer):
-    """-> tiles(values=True): the dequantized tiles of ``layer`` for one pass of a
-    re-rank (:func:`dequantized_tiles`). A cache of at most :data:`HELD_TILE_BYTES`
-    dequantized is read once, as one tile, and every pass reuses it; a longer one is
-    read again, a tile at a time, by each pass."""
-    c = layer.live_table().width
-    tokens = (c + 1) * layer.config.chunk_size
-    dense = 2 * layer.batch_size * layer.num_kv_heads * tokens * layer.head_dim * layer.dtype.itemsize
-    if dense > HELD_TILE_BYTES:
-        return lambda values=True: dequantized_tiles(layer, values)
-    held = list(dequantized_tiles(layer, tile=max(c, 1)))
-    return lambda values=True: iter(held)
+class TileReader:
+    """The dequantized tiles of a layer for the passes of one re-rank: ``reader(values=True)``
+    -> an iterator of :func:`dequantized_tiles`' tuples. ``held``: a tile's window
+    visibility and logits by its start, kept by the first pass (:func:`window_lse`) for the
+    next ones when the cache is held whole (None when it is read again by each pass)."""
+
+    def __init__(self, layer):
+        self.layer = layer
+        c = layer.live_table().width
+        tokens = (c + 1) * layer.config.chunk_size
+        dense = 2 * layer.batch_size * layer.num_kv_heads * tokens * layer.head_dim * layer.dtype.itemsize
+        self.tiles = None if dense > HELD_TILE_BYTES else list(dequantized_tiles(layer, tile=max(c, 1)))
+        self.held = None if self.tiles is None else {}
+
+    def __call__(self, values: bool = True):
+        return iter(self.tiles) if self.tiles is not None else dequantized_tiles(self.layer, values)
 
 
-def window_tiles(layer, lse: torch.Tensor | None = None, tiles=None):
+def tile_reader(layer) -> TileReader:
+    """The tiles of ``layer`` for one re-rank (:class:`TileReader`). A cache of at most
+    :data:`HELD_TILE_BYTES` dequantized is read once, as one tile, and every pass reuses it
+    (and the window's logits over it); a longer one is read again, a tile at a time, by
+    each pass."""
+    return TileReader(layer)
+
+
+def window_tiles(layer, lse: torch.Tensor | None = None, tiles: TileReader | None = None):
     """The window queries' probabilities over ``layer``'s cache, a tile at a time
     (:func:`hqekv.importance.window_tiles`): yields (start, keys, values, probs, visible);
     start is the tile's first table column, C for the tail. ``lse``: the softmax
-    denominators of an earlier pass over the same cache (computed when not given);
-    ``tiles``: a :func:`tile_reader` (:func:`dequantized_tiles` when not given)."""
-    tiles = tiles or (lambda values=True: dequantized_tiles(layer, values))
+    denominators of an earlier pass over the same cache and the same ``tiles`` (computed
+    when not given); ``tiles``: a :func:`tile_reader` (a new one when not given)."""
+    tiles = tiles or tile_reader(layer)
     if lse is None:
         lse = window_lse(layer, tiles)
     w = layer.query_window
-    return importance.window_tiles(w.q, w.pos, w.valid, tiles(), layer.scaling, lse)
+    return importance.window_tiles(w.q, w.pos, w.valid, tiles(), layer.scaling, lse, tiles.held)
 
 
-def window_lse(layer, tiles=None) -> torch.Tensor:
+def window_lse(layer, tiles: TileReader | None = None) -> torch.Tensor:
     """Log of each window query's softmax denominator over ``layer``'s cache (B, Hkv, g, m)."""
-    tiles = tiles or (lambda values=True: dequantized_tiles(layer, values))
+    tiles = tiles or tile_reader(layer)
     w = layer.query_window
-    return importance.window_lse(w.q, w.pos, w.valid, tiles(False), layer.scaling)
+    return importance.window_lse(w.q, w.pos, w.valid, tiles(False), layer.scaling, tiles.held)
 
 
 def _score_tile(layer, scores: torch.Tensor, start: int, values, probs, visible) -> None:
