@@ -11,7 +11,7 @@ from typing import NamedTuple
 import torch
 
 from .. import kernels
-from ..tiers import TILE_CHUNKS
+from ..tiers import FP16, TILE_CHUNKS
 from .pools import KEY, VALUE, ComponentPools
 from .table import ChunkTable
 from .tail import Tail
@@ -102,7 +102,10 @@ class CacheView(NamedTuple):
 
         def read(component: str, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
             tier, slot = (table.k_tier, table.k_slot) if component == KEY else (table.v_tier, table.v_slot)
-            h, g, d = self.pools[component].fp.shape[1:]
+            fp = self.pools[component].fp
+            if bool((tier[rows, cols] == FP16).all()):  # a prompt's new chunks: their slots, as stored
+                return fp[slot[rows, cols]].to(dtype)
+            h, g, d = fp.shape[1:]
             out = self._gather(component, tier[rows, cols][None], slot[rows, cols][None], dtype)
             return out[0].reshape(h, rows.numel(), g, d).transpose(0, 1)
 

@@ -155,10 +155,11 @@ def test_the_view_read_by_tiles_or_by_entries_is_the_dense_view_bit_for_bit():
     keys_only = [k for _, k, v, *_ in view.dequantized_tiles(n_chunks, torch.float32, values=False, tile=3)]
     assert torch.equal(torch.cat(keys_only, 2), keys)
     read = view.chunk_reader(torch.float32)
-    rows, cols = torch.tensor([0, 0, 0]), torch.tensor([5, 1, 3])
-    for component, dense in ((KEY, keys), (VALUE, values)):
-        expected = torch.stack([dense[0, :, c * G : (c + 1) * G] for c in cols.tolist()])
-        assert torch.equal(read(component, rows, cols), expected)
+    for cols in (torch.tensor([5, 1, 3]), torch.tensor([6, 0])):  # mixed tiers; FP16 only (read from its slots)
+        rows = torch.zeros_like(cols)
+        for component, dense in ((KEY, keys), (VALUE, values)):
+            expected = torch.stack([dense[0, :, c * G : (c + 1) * G] for c in cols.tolist()])
+            assert torch.equal(read(component, rows, cols), expected)
 
 
 def test_propose_protects_the_top_chunks_and_gives_more_bits_to_higher_scores():
