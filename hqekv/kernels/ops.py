@@ -120,7 +120,9 @@ def mixed_attention_on_cpu(query, key, value, new_valid, cache: PackedCache, sca
 
 def mixed_attention_cuda(query, key, value, new_valid, cache: PackedCache, scaling: float) -> Tensor:
     """``mixed_attention`` on CUDA: the Triton kernel for decoding; a prompt's chunk (more query
-    rows than a program of the kernel holds) runs the tiled PyTorch attention on the GPU."""
+    rows than a program of the kernel holds) runs the PyTorch reference's ``"dense"`` strategy
+    on the GPU: the layer's cache dequantized into one buffer (keys and values of one layer in
+    the model's dtype), then one SDPA call."""
     if triton_fits(query, key):
         return mixed_attention_triton(query, key, value, new_valid, cache, scaling)
     return mixed_attention_reference(query, key, value, new_valid, cache, scaling)
