@@ -219,7 +219,8 @@ class TileReader:
     """The dequantized tiles of a layer for the passes of one re-rank: ``reader(values=True)``
     -> an iterator of :func:`dequantized_tiles`' tuples. ``held``: a tile's window
     visibility and logits by its start, kept by the first pass (:func:`window_lse`) for the
-    next ones when the cache is held whole (None when it is read again by each pass)."""
+    next ones when the cache is held whole and those logits (float32, every query head's)
+    fit :data:`HELD_TILE_BYTES` too; None when they are computed again by each pass."""
 
     def __init__(self, layer):
         self.layer = layer
@@ -227,7 +228,8 @@ class TileReader:
         tokens = (c + 1) * layer.config.chunk_size
         dense = 2 * layer.batch_size * layer.num_kv_heads * tokens * layer.head_dim * layer.dtype.itemsize
         self.tiles = None if dense > HELD_TILE_BYTES else list(dequantized_tiles(layer, tile=max(c, 1)))
-        self.held = None if self.tiles is None else {}
+        b, hq, m, _ = layer.query_window.q.shape
+        self.held = {} if self.tiles is not None and b * hq * m * tokens * 4 <= HELD_TILE_BYTES else None
 
     def __call__(self, values: bool = True):
         return iter(self.tiles) if self.tiles is not None else dequantized_tiles(self.layer, values)

@@ -258,3 +258,36 @@ def test_a_cache_continued_in_another_dtype_is_refused():
         with pytest.raises(ValueError, match="begun in torch.float32.*now gives torch.bfloat16"):
             model(ids[:, :1], cache=cache)
         assert model(ids[:, :1]).logits.dtype == torch.bfloat16  # a new request runs
+
+
+def test_a_re_rank_of_a_cache_held_whole_computes_the_same_scores_with_its_kept_logits(tiny, monkeypatch):
+    """A re-rank whose cache is held whole keeps the window's logits from its first pass for
+    the next ones (:class:`hqekv.cache.rerank.TileReader`): the scores and the allocator's
+    choices are those of computing them again, bit for bit."""
+    from hqekv.cache import rerank
+
+    ids = prompt(300, seed=3)
+    hqekv.patch_model(tiny, 2.0, ratios="auto")
+    try:
+        with torch.no_grad():
+            cache = output_cache(tiny(ids, use_cache=True))
+        layers = list(cache.layers)
+        assert all(rerank.tile_reader(layer).held == {} for layer in layers)  # held: the path under test
+        kept = [(rerank.chunk_scores(layer), rerank.allocator_choices(layer)) for layer in layers]
+        monkeypatch.setattr(rerank.TileReader, "__init__", _without_kept_logits(rerank.TileReader.__init__))
+        assert all(rerank.tile_reader(layer).held is None for layer in layers)
+        again = [(rerank.chunk_scores(layer), rerank.allocator_choices(layer)) for layer in layers]
+    finally:
+        hqekv.unpatch_model(tiny)
+    for (scores, choices), (scores2, choices2) in zip(kept, again):
+        assert all(torch.equal(a, b) for a, b in zip(scores, scores2))
+        for name in ("d_k", "d_v", "d_evict", "energy"):
+            assert torch.equal(getattr(choices, name), getattr(choices2, name)), name
+
+
+def _without_kept_logits(init):
+    def without(self, layer):
+        init(self, layer)
+        self.held = None
+
+    return without
