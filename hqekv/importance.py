@@ -69,8 +69,8 @@ def window_lse(queries, query_pos, query_valid, tiles, scaling, held: dict | Non
     (start, keys, values, key_pos, key_valid) as :func:`window_probabilities` takes the keys
     (values unused, may be None). -> (B, Hkv, g, m) float32, -inf for a query that sees nothing.
     ``held``: a dict that keeps each tile's visibility and logits by its start, for
-    :func:`window_tiles` to reuse instead of computing them again (for a cache held whole:
-    the logits are a few times smaller than its keys and values).
+    :func:`window_tiles` to reuse instead of computing them again (the caller bounds their
+    bytes: :class:`hqekv.cache.rerank.TileReader`).
     """
     total = None
     for start, keys, _, key_pos, key_valid in tiles:
