@@ -9,8 +9,9 @@ bytes per part). Cases: SmolLM2 with its shipped per-layer artifacts at bavg 2 a
 the rate-distortion allocator (``ratios="auto"``), and with a prompt fed in chunks under
 either; a batch of two prompts, the shorter left-padded; a static cache under
 ``torch.compile`` (transformers' ``compile_config``, fullgraph); tiny random Gemma3- and
-Qwen3-shaped models (sliding layers, q/k norms). Floating-point results depend on the machine and the thread count, so compare
-files made on one machine with the same ``--threads``.
+Qwen3-shaped models (sliding layers, q/k norms). Floating-point results depend on the
+machine and the thread count, so compare files made on one machine with the same
+``--threads``.
 """
 
 from __future__ import annotations

@@ -192,7 +192,7 @@ def place(
 
 HELD_TILE_BYTES = 2**24
 """A re-rank's passes over a layer share one dequantized copy of its cache when that copy
-(keys and values) holds at most this many bytes (:func:`tile_reader`): decode
+(keys and values) holds at most this many bytes (:class:`TileReader`): decode
 re-ranks of short caches read the pools once instead of once per pass."""
 
 
@@ -217,10 +217,12 @@ def dequantized_tiles(layer, values: bool = True, tile: int = RERANK_TILE_CHUNKS
 
 class TileReader:
     """The dequantized tiles of a layer for the passes of one re-rank: ``reader(values=True)``
-    -> an iterator of :func:`dequantized_tiles`' tuples. ``held``: a tile's window
-    visibility and logits by its start, kept by the first pass (:func:`window_lse`) for the
-    next ones when the cache is held whole and those logits (float32, every query head's)
-    fit :data:`HELD_TILE_BYTES` too; None when they are computed again by each pass."""
+    -> an iterator of :func:`dequantized_tiles`' tuples. A cache of at most
+    :data:`HELD_TILE_BYTES` dequantized is read once, as one tile, and every pass reuses
+    it; a longer one is read again, a tile at a time, by each pass. ``held``: a tile's
+    window visibility and logits by its start, kept by the first pass (:func:`window_lse`)
+    for the next ones when the cache is held whole and those logits (float32, every query
+    head's) fit :data:`HELD_TILE_BYTES` too; None when they are computed again by each pass."""
 
     def __init__(self, layer):
         self.layer = layer
@@ -235,21 +237,13 @@ class TileReader:
         return iter(self.tiles) if self.tiles is not None else dequantized_tiles(self.layer, values)
 
 
-def tile_reader(layer) -> TileReader:
-    """The tiles of ``layer`` for one re-rank (:class:`TileReader`). A cache of at most
-    :data:`HELD_TILE_BYTES` dequantized is read once, as one tile, and every pass reuses it
-    (and the window's logits over it); a longer one is read again, a tile at a time, by
-    each pass."""
-    return TileReader(layer)
-
-
 def window_tiles(layer, lse: torch.Tensor | None = None, tiles: TileReader | None = None):
     """The window queries' probabilities over ``layer``'s cache, a tile at a time
     (:func:`hqekv.importance.window_tiles`): yields (start, keys, values, probs, visible);
     start is the tile's first table column, C for the tail. ``lse``: the softmax
     denominators of an earlier pass over the same cache and the same ``tiles`` (computed
-    when not given); ``tiles``: a :func:`tile_reader` (a new one when not given)."""
-    tiles = tiles or tile_reader(layer)
+    when not given); ``tiles``: a :class:`TileReader` (a new one when not given)."""
+    tiles = tiles or TileReader(layer)
     if lse is None:
         lse = window_lse(layer, tiles)
     w = layer.query_window
@@ -258,7 +252,7 @@ def window_tiles(layer, lse: torch.Tensor | None = None, tiles: TileReader | Non
 
 def window_lse(layer, tiles: TileReader | None = None) -> torch.Tensor:
     """Log of each window query's softmax denominator over ``layer``'s cache (B, Hkv, g, m)."""
-    tiles = tiles or tile_reader(layer)
+    tiles = tiles or TileReader(layer)
     w = layer.query_window
     return importance.window_lse(w.q, w.pos, w.valid, tiles(False), layer.scaling, tiles.held)
 
@@ -284,7 +278,7 @@ def metric_scores(layer) -> tuple[torch.Tensor, torch.Tensor]:
     """
     chunk_pos = layer.live_table().chunk_pos
     scores = torch.zeros(2, *chunk_pos.shape, device=layer.device)
-    for start, _, values, probs, visible in window_tiles(layer, tiles=tile_reader(layer)):
+    for start, _, values, probs, visible in window_tiles(layer, tiles=TileReader(layer)):
         _score_tile(layer, scores, start, values, probs, visible)
     return scores[0], scores[1]
 
@@ -318,7 +312,7 @@ def allocator_choices(layer, provisional: bool = False) -> "allocation.LayerChoi
     table = layer.live_table()
     b, c = table.chunk_pos.shape
     scores = torch.zeros(2, b, c, device=layer.device)  # keys', values' importance
-    tiles = tile_reader(layer)
+    tiles = TileReader(layer)
     out, lse, seen = 0.0, window_lse(layer, tiles), 0
     for start, _, values, probs, visible in window_tiles(layer, lse, tiles):
         out = out + allocation.window_outputs(probs, values)

@@ -102,11 +102,12 @@ class CacheView(NamedTuple):
 
         def read(component: str, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
             tier, slot = (table.k_tier, table.k_slot) if component == KEY else (table.v_tier, table.v_slot)
+            tier, slot = tier[rows, cols], slot[rows, cols]
             fp = self.pools[component].fp
-            if bool((tier[rows, cols] == FP16).all()):  # a prompt's new chunks: their slots, as stored
-                return fp[slot[rows, cols]].to(dtype)
+            if bool((tier == FP16).all()):  # a prompt's new chunks: their slots, as stored
+                return fp[slot].to(dtype)
             h, g, d = fp.shape[1:]
-            out = self._gather(component, tier[rows, cols][None], slot[rows, cols][None], dtype)
+            out = self._gather(component, tier[None], slot[None], dtype)
             return out[0].reshape(h, rows.numel(), g, d).transpose(0, 1)
 
         return read

@@ -272,10 +272,10 @@ def test_a_re_rank_of_a_cache_held_whole_computes_the_same_scores_with_its_kept_
         with torch.no_grad():
             cache = output_cache(tiny(ids, use_cache=True))
         layers = list(cache.layers)
-        assert all(rerank.tile_reader(layer).held == {} for layer in layers)  # held: the path under test
+        assert all(rerank.TileReader(layer).held == {} for layer in layers)  # held: the path under test
         kept = [(rerank.chunk_scores(layer), rerank.allocator_choices(layer)) for layer in layers]
         monkeypatch.setattr(rerank.TileReader, "__init__", _without_kept_logits(rerank.TileReader.__init__))
-        assert all(rerank.tile_reader(layer).held is None for layer in layers)
+        assert all(rerank.TileReader(layer).held is None for layer in layers)
         again = [(rerank.chunk_scores(layer), rerank.allocator_choices(layer)) for layer in layers]
     finally:
         hqekv.unpatch_model(tiny)
