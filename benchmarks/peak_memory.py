@@ -4,6 +4,7 @@ against hqekv, one-shot and chunked (``prefill_chunk_size``), each case in a fre
     python benchmarks/peak_memory.py                       # the CPU cases below
     python benchmarks/peak_memory.py --cases llama3-8b-attn:32768 --chunks 2048 --bavg 2
     python benchmarks/peak_memory.py --cases llama3-8b-attn:32768 --chunks 2048 --bavg 2 --layers 8  # deeper
+    python benchmarks/peak_memory.py --cases llama3-8b-attn:32768 --chunks 2048 --bavg 2 2:evict  # both ways to chunk
     python benchmarks/peak_memory.py --cases llama3-8b:32768 --dtype bfloat16 --out ...  # on a GPU
 
 A case is ``MODEL:TOKENS``. MODEL is a packaged model (``smollm2``, ``qwen2.5-coder``; the
@@ -81,6 +82,17 @@ def cache_bytes(cache) -> int:
     return cache_memory(cache)["cache_bytes"]
 
 
+def patch_arguments(setting: str) -> dict:
+    """``patch_model`` arguments of an hqekv setting ``B[:auto][:evict]``: the budget, the
+    allocator (``ratios="auto"``) and ``chunked_prefill="evict"`` (default "wait")."""
+    bavg, *options = setting.split(":")
+    unknown = set(options) - {"auto", "evict"}
+    if unknown:
+        raise ValueError(f"hqekv setting {setting!r}: unknown options {sorted(unknown)} (B[:auto][:evict])")
+    return {"bavg": float(bavg), **({"ratios": "auto"} if "auto" in options else {}),
+            **({"chunked_prefill": "evict"} if "evict" in options else {})}  # fmt: skip
+
+
 def run_one(spec: dict) -> dict:
     """One measurement, in this process (a fresh one: see :func:`main`)."""
     import hqekv
@@ -98,8 +110,7 @@ def run_one(spec: dict) -> dict:
     model, prompt = load(spec["model"], spec.get("dtype"), device, spec.get("layers"))
     progress("model loaded")
     if spec["cache"] != "dynamic":
-        bavg, _, ratios = spec["cache"].partition(":")
-        hqekv.patch_model(model, float(bavg), **({"ratios": ratios} if ratios else {}))
+        hqekv.patch_model(model, **patch_arguments(spec["cache"]))
     ids = prompt(spec["tokens"])
     times = []
 
@@ -147,7 +158,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", nargs="+", default=CPU_CASES, help="MODEL:TOKENS (default: %(default)s)")
     parser.add_argument("--chunks", type=int, nargs="+", default=[0, 512, 2048], help="prefill chunk sizes; 0 = one-shot")
-    parser.add_argument("--bavg", nargs="+", default=["2", "3.2"], help="hqekv settings: B or B:auto")
+    parser.add_argument("--bavg", nargs="+", default=["2", "3.2"], help="hqekv settings: B, B:auto (ratios='auto'), B:evict (chunked_prefill='evict'), B:auto:evict")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--dtype", help="model dtype (default: bfloat16 for random shapes, the packaged one otherwise)")
     parser.add_argument("--threads", type=int)
@@ -157,6 +168,8 @@ def main():
                         help=f"CPU: run the cases with {RELEASE_FREED} (glibc: freed blocks go back at once)")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # a single case as JSON: run it here, print its row
     args = parser.parse_args()
+    for setting in args.bavg:
+        patch_arguments(setting)  # a typo fails here, not after the baseline ran
     if args.one:
         print_row(run_one(json.loads(args.one)))
         return

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from .calibration import ALPHA, BETA, CALIBRATION_TOKENS, CONTINUATION_TOKENS, DEFAULT_SEGMENTS, DEFAULT_TRIALS, KL_SCALES
-from .config import describe_ratios
+from .config import CHUNKED_PREFILL, describe_ratios
 from .eval.runner import DEFAULT_METHODS, DEFAULT_TASKS
 
 
@@ -117,6 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--prefill-chunk", type=int, metavar="C",
                    help="feed each prompt in forwards of C tokens, as generate(prefill_chunk_size=C) does")  # fmt: skip
+    p.add_argument("--chunked-prefill", choices=CHUNKED_PREFILL,
+                   help="with --prefill-chunk: what every hqekv method's cache does while a prompt arrives in pieces "
+                        "(patch_model's chunked_prefill; default wait)")  # fmt: skip
     p.add_argument("--out", required=True, help="directory for results.json, results.md and plots")
     p.add_argument(
         "--dtype", choices=DTYPES,
@@ -218,7 +221,7 @@ PARTIAL_RECORDS = "records.partial.jsonl"
 first line with the run's settings; removed once results.json is written. A run cut short
 leaves its finished records there, and ``--resume`` continues it."""
 RESUMED_SETTINGS = ("model_id", "model_dtype", "methods", "tasks", "samples", "lengths", "seed", "prefill_chunk",
-                    "library_version")  # fmt: skip
+                    "chunked_prefill", "library_version")  # fmt: skip
 """What a resumed run must share with the run it continues: everything its records depend on."""
 
 
@@ -259,7 +262,7 @@ def run_evaluation(
     return evaluate(
         model, tokenizer, args.methods, args.tasks, samples=args.samples, lengths=args.lengths, seed=args.seed,
         shard=shard, progress=progress and not args.no_progress, prefill_chunk=getattr(args, "prefill_chunk", None),
-        on_record=on_record, done=done,
+        chunked_prefill=getattr(args, "chunked_prefill", None), on_record=on_record, done=done,
     )  # fmt: skip
 
 
@@ -273,6 +276,9 @@ def _eval(args) -> int:
         torch.set_num_threads(args.threads)
     partial = Path(args.out) / PARTIAL_RECORDS
     try:  # before the model loads
+        if args.chunked_prefill and not args.prefill_chunk:
+            raise ValueError("--chunked-prefill says what a cache does with a prompt fed in pieces: it needs "
+                             "--prefill-chunk C")  # fmt: skip
         made = read_partial(partial)[1] if partial.exists() else []
         if made and not args.resume:
             raise ValueError(f"{partial} holds {len(made)} records of a run cut short: --resume continues it (the "
@@ -316,6 +322,7 @@ def eval_settings(args, model_id: str, model) -> dict:
             "--methods", *args.methods, "--tasks", *args.tasks, "--samples", str(args.samples),
             "--lengths", *map(str, args.lengths), "--seed", str(args.seed), "--out", str(args.out),
             *(["--prefill-chunk", str(args.prefill_chunk)] if getattr(args, "prefill_chunk", None) else []),
+            *(["--chunked-prefill", args.chunked_prefill] if getattr(args, "chunked_prefill", None) else []),
             *(["--dtype", args.dtype] if getattr(args, "dtype", None) else [])]
     return {
         "model_id": model_id,
@@ -326,6 +333,7 @@ def eval_settings(args, model_id: str, model) -> dict:
         "lengths": list(args.lengths),
         "seed": args.seed,
         "prefill_chunk": getattr(args, "prefill_chunk", None),
+        "chunked_prefill": getattr(args, "chunked_prefill", None),
         "library_version": __version__,
         "command": "hqekv " + " ".join(argv),
     }

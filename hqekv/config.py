@@ -25,6 +25,7 @@ ALLOCATIONS = ("ratios", "rate-distortion")
 chooses tiers within a byte budget (:mod:`hqekv.allocation`)."""
 
 IMPORTANCE_KINDS = ("attention", "random")
+CHUNKED_PREFILL = ("wait", "evict")
 """attention: the paper's metrics (§3.2); random: the control that isolates them."""
 
 MAX_BAVG = 16.0
@@ -243,6 +244,17 @@ class HqeKVConfig:
         expected error of the window queries' attention outputs is smallest
         (:mod:`hqekv.allocation`). ``bavg`` then counts real bits, metadata included, and
         ``ratios`` only size a static cache's first reserve. ``patch_model(ratios="auto")``.
+    chunked_prefill : {"wait", "evict"}, default "wait"
+        What the cache does while a prompt arrives in pieces (``generate(prefill_chunk_size=...)``,
+        or :meth:`~hqekv.cache.HqeKVCache.defer_eviction` in a loop of one's own). "wait":
+        evict nothing and hold every chunk at 4 bits (FP16 where the ratios or the allocator
+        keep it) until the prompt's end, then place every tier within the budget with the
+        prompt's last queries: a chunked prompt ends as a one-shot one would, and the peak
+        holds about 5 bits per element of the prompt (4-bit codes and their metadata). "evict":
+        every piece is ranked and evicted within the budget as it arrives, so the cache stays
+        near its budget throughout: the smallest peak, at a quality cost, since an early
+        piece is ranked before the question at the prompt's end is seen
+        (``docs/results.md``, "Long prompts").
     ratios_source : str
         Where the ratios came from: "explicit", "artifact:<path>", "shipped:<file>",
         "rate-distortion", "rate-distortion at the bytes of shipped:<file>" (an artifact the
@@ -264,6 +276,7 @@ class HqeKVConfig:
     key_ratios: TierRatios | None = None
     layer_ratios: tuple[TierRatios, ...] | None = None
     allocation: str = "ratios"
+    chunked_prefill: str = "wait"
     ratios_source: str = "explicit"
     version: int = field(default=CONFIG_VERSION)
 
@@ -308,6 +321,8 @@ class HqeKVConfig:
             raise ValueError(f"metadata_dtype must be None, 'float16', 'bfloat16' or 'float32', got {self.metadata_dtype!r}")
         if self.importance not in IMPORTANCE_KINDS:
             raise ValueError(f"importance must be one of {IMPORTANCE_KINDS}, got {self.importance!r}")
+        if self.chunked_prefill not in CHUNKED_PREFILL:
+            raise ValueError(f"chunked_prefill must be one of {CHUNKED_PREFILL}, got {self.chunked_prefill!r}")
         if self.allocation not in ALLOCATIONS:
             raise ValueError(f"allocation must be one of {ALLOCATIONS}, got {self.allocation!r}")
         if self.allocation == "rate-distortion":
@@ -383,7 +398,7 @@ class HqeKVConfig:
 
 RATIO_FIELDS = ("ratios", "bavg", "key_ratios", "layer_ratios", "allocation")
 """HqeKVConfig fields that say how many bits go where: what a calibration finds."""
-RUNTIME_FIELDS = ("importance", "ratios_source", "version")
+RUNTIME_FIELDS = ("importance", "chunked_prefill", "ratios_source", "version")
 """HqeKVConfig fields that are neither ratios nor a setting a calibration is made for."""
 CACHE_SETTINGS = tuple(f.name for f in dataclasses.fields(HqeKVConfig) if f.name not in RATIO_FIELDS + RUNTIME_FIELDS)
 """Every other field: how the cache stores what the ratios assign (chunk size, window, ...)."""

@@ -29,7 +29,7 @@ from lm_eval.models.huggingface import HFLM
 import hqekv
 from hqekv.config import CACHE_SETTINGS, HqeKVConfig
 
-PATCH_ARGS = ("bavg", "artifact", *CACHE_SETTINGS, "importance")
+PATCH_ARGS = ("bavg", "artifact", *CACHE_SETTINGS, "importance", "chunked_prefill")
 """The ``model_args`` that go to :func:`hqekv.patch_model`: every cache setting of HqeKVConfig."""
 _INT_ARGS = tuple(f.name for f in dataclasses.fields(HqeKVConfig) if f.name in PATCH_ARGS and f.type in ("int", int))
 _OPTIONAL_ARGS = tuple(f.name for f in dataclasses.fields(HqeKVConfig) if f.name in PATCH_ARGS and f.default is None)

@@ -56,6 +56,7 @@ def patch_model(
     fp_dtype: str | None = None,
     rotation: str | None = None,
     importance: str = "attention",
+    chunked_prefill: str = "wait",
 ):
     """Make ``model`` keep its KV cache with HqeKV, in place; returns ``model``.
 
@@ -95,6 +96,11 @@ def patch_model(
     value_group : int, optional
         Channels per value quantization group; by default 64, or the largest power of two
         below it that divides the head dim (32 for head dim 96, 16 for 80).
+    chunked_prefill : {"wait", "evict"}, default "wait"
+        A prompt fed in pieces (``generate(prefill_chunk_size=...)``): "wait" evicts once the
+        whole prompt is in (the quality of a one-shot prefill, about 5 bits per element held
+        until then); "evict" keeps the cache near its budget from the first piece on (the
+        smallest peak memory, at a quality cost). See :class:`hqekv.HqeKVConfig`.
     chunk_size, window, rerank_interval, protected_chunks, eviction, metadata_dtype, fp_dtype, rotation, importance
         See :class:`hqekv.HqeKVConfig`.
 
@@ -132,6 +138,7 @@ def patch_model(
         fp_dtype=fp_dtype,
         rotation=rotation,
         importance=importance,
+        chunked_prefill=chunked_prefill,
     )
     if head_dim % min(config.value_group, head_dim):
         raise ValueError(

@@ -17,12 +17,6 @@ from . import budget, rerank
 from .layer import HqeKVLayer
 from .sliding import SlidingWindowLayer
 
-DEFER_EVICTION = True
-"""While a prompt arrives in pieces (:meth:`HqeKVCache.defer_eviction`), re-ranks quantize but
-evict nothing until :meth:`HqeKVCache.settle` ranks with the prompt's last queries; False
-evicts at every piece's re-rank (an ablation)."""
-
-
 class HqeKVCache(Cache):
     """A ``transformers`` cache with one layer per attention layer of the model.
 
@@ -142,9 +136,10 @@ class HqeKVCache(Cache):
         those the policy keeps in FP16 (fixed ratios) or protects (the allocator,
         ``ratios="auto"``; :data:`~hqekv.allocation.DEFERRED_WAIT`); that transient
         allowance is real memory, and the memory report counts it until :meth:`settle`.
-        A no-op when :data:`DEFER_EVICTION` is False."""
+        A no-op under ``chunked_prefill="evict"`` (:class:`~hqekv.HqeKVConfig`): every piece
+        then evicts at its own re-rank, within the budget."""
         for layer in self.hqekv_layers:
-            layer.deferring = DEFER_EVICTION
+            layer.deferring = layer.config.chunked_prefill == "wait"
 
     @torch.compiler.disable
     def settle(self) -> None:

@@ -101,8 +101,9 @@ class Method:
         return QuantizedCache("quanto", model.config.get_text_config(), nbits=int(self.bits))
 
     @contextlib.contextmanager
-    def applied(self, model):
-        """Patch ``model`` for this method for the duration of the block (fp16, quanto: leave it as is)."""
+    def applied(self, model, **settings):
+        """Patch ``model`` for this method for the duration of the block (fp16, quanto: leave it as
+        is); ``settings``: more :func:`hqekv.patch_model` arguments for a patched method."""
         from ..patching import patch_config, patch_model, unpatch_model
 
         if self.kind == "quanto":
@@ -121,6 +122,7 @@ class Method:
         if kwargs is None:
             yield None
             return
+        kwargs = {**kwargs, **settings}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the ratios' source is recorded instead
             patch_model(model, **kwargs)

@@ -90,6 +90,7 @@ def evaluate(
     shard: tuple[int, int] = (0, 1),
     progress: bool = True,
     prefill_chunk: int | None = None,
+    chunked_prefill: str | None = None,
     on_record=None,
     done: dict | None = None,
 ) -> list[dict]:
@@ -98,7 +99,9 @@ def evaluate(
     Samples are generated from ``seed`` and split round-robin: shard ``(rank, world)``
     runs samples ``rank, rank + world, ...``, so the shards of one run merge into it.
     ``prefill_chunk``: every method reads each prompt in forwards of that many tokens, as
-    ``generate(prefill_chunk_size=...)`` does (a compressed cache compresses between them).
+    ``generate(prefill_chunk_size=...)`` does (a compressed cache compresses between them);
+    ``chunked_prefill``: what every hqekv method's cache does meanwhile (``patch_model``'s
+    argument; None: its default).
     ``on_record(record)`` is called with each record as it is made (``hqekv eval`` keeps them
     on disk, so that a run cut short keeps what it finished); ``done`` maps (task, method name,
     index) to the records a run cut short made, which are returned as they are, not run again.
@@ -114,13 +117,17 @@ def evaluate(
     tasks = expand_tasks(tasks)
     if prefill_chunk is not None and prefill_chunk < 1:
         raise ValueError(f"prefill_chunk={prefill_chunk}: a prompt chunk needs at least one token")
+    if chunked_prefill is not None and prefill_chunk is None:
+        raise ValueError(f"chunked_prefill={chunked_prefill!r} says what a cache does with a prompt fed in pieces; "
+                         "it needs prefill_chunk")  # fmt: skip
+    settings = {} if chunked_prefill is None else {"chunked_prefill": chunked_prefill}
     rank, world = shard
     records = []
     for task_name in tasks:
         task = TASKS[task_name]
         mine = list(enumerate(task.samples(tokenizer, samples, list(lengths), seed)))[rank::world]
         for method in methods:
-            with method.applied(model) as config:
+            with method.applied(model, **settings) as config:
                 for index, sample in tqdm(mine, desc=f"{task_name} {method.name}", disable=not progress):
                     made = (done or {}).get((task_name, method.name, index))
                     if made is not None:
@@ -139,6 +146,7 @@ def evaluate(
                         sample=sample.id,
                         prompt_tokens=int(sample.input_ids.shape[1]),
                         prefill_chunk=prefill_chunk,
+                        chunked_prefill=None if config is None or prefill_chunk is None else config.chunked_prefill,
                         ratios_source=None if config is None else config.ratios_source,
                         ratios=None if config is None else config.describe_ratios(),
                         **sample.meta,

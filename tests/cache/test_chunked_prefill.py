@@ -250,6 +250,38 @@ def test_a_prompt_in_pieces_evicts_only_once_it_is_whole(setting):
     assert cache.memory_report().total_bytes <= 1.01 * once.memory_report().total_bytes
 
 
+@pytest.mark.parametrize("setting", [dict(ratios=MIXED), dict(bavg=1.0, ratios="auto")], ids=["ratios", "auto"])
+def test_with_chunked_prefill_evict_every_piece_evicts_within_the_budget(setting):
+    """``chunked_prefill="evict"``: a deferred prompt evicts at every piece, so the cache
+    stays near its budget while the prompt arrives (the smallest peak), where "wait" holds
+    the pieces at 4 bits and evicts nothing until ``settle``; the prompt still ends within
+    the bytes of the same prompt at once."""
+    ids = prompt(2048, seed=5)
+    held = {}
+    for mode in ("wait", "evict"):
+        model = tiny_llama(layers=3)
+        hqekv.patch_model(model, value_group=16, chunked_prefill=mode, **setting)
+        assert hqekv.patch_config(model).chunked_prefill == mode
+        held[mode] = []
+        for start, cache in in_pieces(model, ids, piece=128):
+            evicted = sum(int(layer.counters.n_evicted.sum()) for layer in cache.hqekv_layers)
+            held[mode].append((held_and_allowed(cache), evicted))
+        cache.settle()
+        if mode == "evict":
+            assert cache.memory_report().total_bytes <= 1.01 * stored(model, ids, None).total_bytes
+    assert all(evicted == 0 for _, evicted in held["wait"])
+    assert held["evict"][-1][1] > 0
+    for ((evict_bytes, allowed), _), ((wait_bytes, _), _) in zip(held["evict"][4:], held["wait"][4:]):
+        assert evict_bytes < wait_bytes
+        if setting.get("ratios") == "auto":  # the allocator: within the model's budget after every piece
+            assert evict_bytes <= allowed, (evict_bytes, allowed)
+
+
+def test_chunked_prefill_takes_wait_or_evict():
+    with pytest.raises(ValueError, match="chunked_prefill must be one of"):
+        hqekv.patch_model(tiny_llama(), bavg=2.0, ratios="auto", chunked_prefill="later")
+
+
 def test_generate_with_prefill_chunks_settles_the_cache_before_decoding(monkeypatch):
     from hqekv.cache import HqeKVCache
 

@@ -408,3 +408,22 @@ def test_hqekv_eval_runs_again_a_run_cut_short_before_its_first_record(dying_eva
     dies.clear()
     assert cli._eval(cli.build_parser().parse_args(argv)) == 0, "nothing finished, nothing to keep"
     assert runs == ["s0", "s1", "s2"]
+
+
+def test_hqekv_eval_chunked_prefill_patches_every_hqekv_method_with_it_and_records_it(dying_eval, capsys):
+    """``--chunked-prefill evict`` reaches ``patch_model`` of each compressed method (and is
+    recorded with its records and settings); without ``--prefill-chunk`` it is refused
+    before the model loads."""
+    import hqekv.cli as cli
+
+    argv, out, _, dies = dying_eval
+    dies.clear()
+    argv = [*argv[:4], "fp16", "auto:2", *argv[5:]]
+    assert cli._eval(cli.build_parser().parse_args([*argv, "--chunked-prefill", "evict"])) == 2
+    assert "needs --prefill-chunk" in capsys.readouterr().err
+    assert cli._eval(cli.build_parser().parse_args([*argv, "--prefill-chunk", "32", "--chunked-prefill", "evict"])) == 0
+    result = json.loads((out / "results.json").read_text())
+    assert result["settings"]["chunked_prefill"] == "evict"
+    assert "--chunked-prefill evict" in result["settings"]["command"]
+    modes = {r["method"]: r["chunked_prefill"] for r in result["records"]}
+    assert modes == {"fp16": None, "auto:2": "evict"}
