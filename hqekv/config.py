@@ -25,8 +25,11 @@ ALLOCATIONS = ("ratios", "rate-distortion")
 chooses tiers within a byte budget (:mod:`hqekv.allocation`)."""
 
 IMPORTANCE_KINDS = ("attention", "random")
-CHUNKED_PREFILL = ("wait", "evict")
 """attention: the paper's metrics (§3.2); random: the control that isolates them."""
+
+CHUNKED_PREFILL = ("wait", "evict")
+"""Choices of HqeKVConfig.chunked_prefill: wait (evict once the prompt is whole) or evict
+(each piece within the budget as it arrives)."""
 
 MAX_BAVG = 16.0
 RATIO_TOLERANCE = 1e-4
