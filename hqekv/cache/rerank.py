@@ -53,6 +53,15 @@ tier above the policy's; early re-ranks that push chunks down one after another 
 few at 4 bits for the end (on SmolLM2 at bavg 2, 9% fewer bytes than one-shot and a larger
 loss). "at": the policy's tier, evicted chunks at 1 bit (the former behaviour)."""
 
+WAITING_RECENT = 512
+"""While a prompt arrives in pieces, the chunks among its newest ``WAITING_RECENT`` tokens
+wait in FP16 instead of at 4 bits (:func:`newest_chunks`), under fixed ratios and the
+allocator alike, and move down at the first re-rank after newer text arrives. The 4-bit
+error the prompt's own tokens read during the prefill is what moves a chunked prompt's
+answers away from one-shot's, and a piece reads the text just before it most; the cost is
+fixed, 512 tokens in FP16 per layer whatever the prompt's length (``docs/results.md``,
+"What moves the chunked answers"). 0: every chunk waits at 4 bits (the former rule)."""
+
 
 def waiting(tiers: torch.Tensor, how: str) -> torch.Tensor:
     """The tiers (B, C) chunks wait at under :data:`WAITING_TIERS` ``[how]``; -1 stays."""
@@ -355,6 +364,13 @@ def waiting_at_int4(layer, table: ChunkTable) -> torch.Tensor:
     return torch.where(top, FP16, INT4)
 
 
+def newest_chunks(layer, table: ChunkTable, tokens: int) -> torch.Tensor:
+    """(B, C) bool: the kept chunks of ``table`` (``layer``'s live table) that hold any of
+    their row's newest ``tokens`` tokens (none for 0)."""
+    n = -(-tokens // layer.config.chunk_size)
+    return table.kept() & (table.chunk_pos >= layer.counters.n_chunks[:, None] - n)
+
+
 def rerank(layer, rows: torch.Tensor, provisional: bool = False) -> None:
     """Re-rank the chunks of ``rows`` (B,) bool of ``layer`` and move them down the tiers.
 
@@ -362,7 +378,8 @@ def rerank(layer, rows: torch.Tensor, provisional: bool = False) -> None:
     downward (FP16 → 4 → 2 → 1 → evicted), re-quantized from their dequantized values.
     While ``layer.deferring`` (a prompt in pieces), no chunk is evicted, and each chunk waits
     at 4 bits for :meth:`HqeKVCache.settle` unless the policy keeps it in FP16 (fixed ratios,
-    :data:`WAITING`) or it is protected (the allocator, :func:`waiting_at_int4`). Under
+    :data:`WAITING`), it is protected (the allocator, :func:`waiting_at_int4`) or it is among
+    the prompt's newest tokens (:data:`WAITING_RECENT`). Under
     ``allocation="rate-distortion"``, ``provisional`` (a multi-token input) keeps the layer
     within :data:`~hqekv.allocation.PROVISIONAL` times its budget and leaves its choices in
     ``layer.pending`` for :meth:`HqeKVCache.share_budget`.
@@ -372,6 +389,7 @@ def rerank(layer, rows: torch.Tensor, provisional: bool = False) -> None:
     found = None
     if cfg.allocation == "rate-distortion" and layer.deferring and allocation.DEFERRED_WAIT == "int4":
         prop_k = prop_v = waiting_at_int4(layer, table)  # no budget is shared until settle
+        prop_k = prop_v = torch.where(newest_chunks(layer, table, WAITING_RECENT), FP16, prop_k)
     elif cfg.allocation == "rate-distortion":
         found = allocator_choices(layer, provisional)
         if layer.deferring:
@@ -386,7 +404,9 @@ def rerank(layer, rows: torch.Tensor, provisional: bool = False) -> None:
         prop_k, prop_v = propose(cfg, score_k, score_v, table, counters.n_chunks, counters.n_evicted, cfg.ratios,
                                  cfg.key_ratios)  # fmt: skip
         if layer.deferring:  # nothing is evicted, and each chunk waits at 4 bits at most for the prompt's end
-            prop_k, prop_v = waiting(prop_k, WAITING), waiting(prop_v, WAITING)
+            recent = newest_chunks(layer, table, WAITING_RECENT)
+            prop_k = torch.where(recent, FP16, waiting(prop_k, WAITING))
+            prop_v = torch.where(recent, FP16, waiting(prop_v, WAITING))
     here = rows[:, None] & table.kept()
     new_k = torch.where(here, prop_k, table.k_tier)
     new_v = torch.where(here, prop_v, table.v_tier)

@@ -9,7 +9,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from transformers import CompileConfig
 
 import hqekv
-from hqekv.cache import budget
+from hqekv.cache import budget, rerank
 from hqekv.eval.tasks import prefill
 from hqekv.tiers import FP16, INT4
 
@@ -152,11 +152,13 @@ def test_the_allocator_keeps_the_model_budget_after_every_prompt_chunk():
                 assert held <= allowed, (start, held, allowed)
 
 
-def test_under_the_allocator_a_deferred_prompt_waits_at_4_bits_but_its_protected_chunks():
+def test_under_the_allocator_a_deferred_prompt_waits_at_4_bits_but_its_protected_and_newest_chunks(monkeypatch):
     """Under ``ratios="auto"`` (``DEFERRED_WAIT = "int4"``), while a prompt arrives in pieces,
     every chunk waits at 4 bits, keys and values, but the top ``protected_chunks`` under
-    either importance metric, in FP16; nothing is evicted and the memory report counts what
-    they hold; ``settle()`` brings them within the budget."""
+    either importance metric and the newest ``WAITING_RECENT`` tokens, in FP16; nothing is
+    evicted and the memory report counts what they hold; ``settle()`` brings them within
+    the budget."""
+    monkeypatch.setattr(rerank, "WAITING_RECENT", 64)  # two chunks of 32
     model = tiny_llama(layers=3)
     hqekv.patch_model(model, value_group=16, bavg=2.0, ratios="auto")
     protected = hqekv.patch_config(model).protected_chunks
@@ -165,9 +167,12 @@ def test_under_the_allocator_a_deferred_prompt_waits_at_4_bits_but_its_protected
         for layer in cache.hqekv_layers:
             table = layer.live_table()
             kept = table.kept()
-            k, v = table.k_tier[kept], table.v_tier[kept]
+            newest = rerank.newest_chunks(layer, table, 64)
+            assert int(newest.sum()) == 2
+            k, v = table.k_tier[kept & ~newest], table.v_tier[kept & ~newest]
             assert torch.equal(k, v) and set(k.tolist()) <= {FP16, INT4}, start
             assert int((k == FP16).sum()) <= 2 * protected  # the top chunks of keys, of values
+            assert bool((table.k_tier[newest] == FP16).all() and (table.v_tier[newest] == FP16).all())
         used, _ = held_and_allowed(cache)
         parts = cache.memory_report().bytes_by_part
         assert sum(n for part, n in parts.items() if part[:2] in ("k.", "v.")) == used
@@ -327,12 +332,39 @@ def test_a_prompt_in_pieces_ends_with_the_tiers_of_the_same_prompt_at_once(chunk
     assert chunked.total_bytes == once.total_bytes
 
 
+@pytest.mark.parametrize("setting", [dict(ratios=MIXED), dict(bavg=2.0, ratios="auto")], ids=["ratios", "auto"])
+def test_a_prompt_in_pieces_keeps_its_newest_tokens_in_fp16_until_the_next_piece(setting, monkeypatch):
+    """The newest ``WAITING_RECENT`` tokens of a prompt arriving in pieces wait in FP16, which
+    the next piece's first queries read most, and move down once newer ones arrive: after each
+    piece the chunks among the newest 96 tokens are FP16 (keys and values) and of the older
+    chunks no more than the protected ones are; ``settle()`` places them all."""
+    monkeypatch.setattr(rerank, "WAITING_RECENT", 96)  # three chunks of 32
+    model = tiny_llama(layers=3)
+    hqekv.patch_model(model, value_group=16, **setting)
+    protected = hqekv.patch_config(model).protected_chunks
+    for start, cache in in_pieces(model, prompt(1024, seed=11)):
+        for layer in cache.hqekv_layers:
+            table = layer.live_table()
+            newest = rerank.newest_chunks(layer, table, 96)
+            older = table.kept() & ~newest
+            assert int(newest.sum()) == 3, start
+            assert bool((table.k_tier[newest] == FP16).all() and (table.v_tier[newest] == FP16).all()), start
+            assert int((table.k_tier[older] == FP16).sum()) <= 2 * protected, start  # the top of keys, of values
+    cache.settle()
+    if setting["ratios"] is MIXED:  # the same tiers as the prompt at once
+        assert cache.memory_report().chunks == stored(model, prompt(1024, seed=11), None).chunks
+    else:  # within the model's budget
+        held, allowed = held_and_allowed(cache)
+        assert held <= allowed
+
+
 def test_under_the_allocator_a_prompt_s_piece_waits_at_4_bits_before_the_next_layer_runs(monkeypatch):
     """While a prompt arrives in pieces under ``ratios="auto"``, each layer re-ranks its piece
     within the forward: when a layer runs, every layer before it holds no FP16 chunk but the
     ones it protects (the top ``protected_chunks`` of keys and of values), so the pieces of
     all the layers are never held in FP16 at once (they were, when a piece's re-rank waited
-    for the end of the forward)."""
+    for the end of the forward); its newest ``WAITING_RECENT`` tokens wait in FP16 too."""
+    monkeypatch.setattr(rerank, "WAITING_RECENT", 64)  # two chunks of 32 wait in FP16 as well
     model = tiny_llama(layers=3)
     hqekv.patch_model(model, value_group=16, bavg=2.0, ratios="auto")
     protected = hqekv.patch_config(model).protected_chunks
@@ -352,4 +384,4 @@ def test_under_the_allocator_a_prompt_s_piece_waits_at_4_bits_before_the_next_la
     for _ in in_pieces(model, prompt(1024, seed=5), cache=cache):
         pass
     assert max(chunks for chunks, _ in held) > 4 * protected  # pieces of 8 chunks after the first
-    assert all(fp16 <= 2 * protected for _, fp16 in held), held
+    assert all(fp16 <= 2 * protected + 2 for _, fp16 in held), held
