@@ -365,8 +365,9 @@ def waiting_at_int4(layer, table: ChunkTable) -> torch.Tensor:
 
 
 def newest_chunks(layer, table: ChunkTable, tokens: int) -> torch.Tensor:
-    """(B, C) bool: the kept chunks of ``table`` (``layer``'s live table) that hold any of
-    their row's newest ``tokens`` tokens (none for 0)."""
+    """(B, C) bool: the kept chunks of ``table`` (``layer``'s live table) among the newest
+    ``tokens / chunk_size`` (rounded up) chunks of their row, the FP16 tail's tokens aside
+    (none for 0)."""
     n = -(-tokens // layer.config.chunk_size)
     return table.kept() & (table.chunk_pos >= layer.counters.n_chunks[:, None] - n)
 
