@@ -286,21 +286,25 @@ def chunk_bytes(
     fp_bytes: int,
     meta_bytes: int,
     device: torch.device | str | None = None,
+    widths: tuple[dict[int, int], dict[int, int]] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Real bytes of one chunk's keys and of its values at FP16, 4, 2, 1 bit: (4,), (4,) float64
     on ``device`` (the cache's: tier tables index them).
 
     Codes are packed into int32 words along each group (:mod:`hqekv.packing`); every group
     has a 2-element metadata pair. Keys: one group per channel over the chunk's tokens;
-    values: one group per token and ``value_group`` channels.
+    values: one group per token and ``value_group`` channels. ``widths``: the code bits of
+    each quantized tier of the keys' and of the values' pools where they are not the tier's
+    own (a prompt's waiting chunks, :data:`~hqekv.tiers.WIDE_BITS`).
     """
     elements = heads * chunk_size * head_dim
     key_groups, key_len = heads * head_dim, chunk_size
     value_groups, value_len = heads * chunk_size * (head_dim // value_group), value_group
     k, v = [float(elements * fp_bytes)], [float(elements * fp_bytes)]
     for t in QUANTIZED_TIERS:
-        bits = TIERS[t].code_bits
-        for out, groups, length in ((k, key_groups, key_len), (v, value_groups, value_len)):
+        for out, groups, length, width in ((k, key_groups, key_len, widths and widths[0]),
+                                           (v, value_groups, value_len, widths and widths[1])):  # fmt: skip
+            bits = width[t] if width else TIERS[t].code_bits
             words = -(-length * bits // 32)
             out.append(float(groups * (4 * words + 2 * meta_bytes)))
     return torch.tensor(k, dtype=torch.float64, device=device), torch.tensor(v, dtype=torch.float64, device=device)

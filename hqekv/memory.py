@@ -174,6 +174,7 @@ def cache_report(layers: Iterable, requested_bavg: float | None, chunk_size: int
         chunk_elements = chunk_size * per_token
         for comp in (KEY, VALUE):
             for t in (FP16, *QUANTIZED_TIERS):
-                report.code_bits += counts[f"{comp}.{TIER_NAMES[t]}"] * chunk_elements * TIER_CODE_BITS[t]
+                bits = TIER_CODE_BITS[t] if t == FP16 else layer.pools[comp].bits(t)  # a prompt's waiting keys: 8
+                report.code_bits += counts[f"{comp}.{TIER_NAMES[t]}"] * chunk_elements * bits
         report.code_bits += 2 * counts["tail_tokens"] * per_token * 16
     return report

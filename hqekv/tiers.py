@@ -42,6 +42,12 @@ TIER_CODE_BITS = tuple(t.code_bits for t in TIERS)
 TIER_FORMATS = {t: (TIERS[t].code_bits, TIERS[t].normalized) for t in QUANTIZED_TIERS}
 """Quantized tier -> (bits, normalized), the arguments of the quantize/dequantize kernels."""
 
+WIDE_BITS = 8
+"""The 4-bit tier's pools may hold codes of ``WIDE_BITS`` bits instead (uniform, the same
+metadata): while a prompt arrives in pieces, the chunks of a component waiting there are
+stored that wide (:data:`hqekv.cache.rerank.WAITING_BITS`) and narrowed at its end. A pool's
+code words say which (:func:`hqekv.kernels.tier_formats`)."""
+
 KEY, VALUE = "k", "v"
 """The two components a chunk is stored as, each at its own tier: keys and values."""
 

@@ -8,7 +8,7 @@ import torch
 
 from .. import allocation
 from ..tiers import QUANTIZED_TIERS
-from .pools import KEY
+from .pools import KEY, VALUE
 
 
 def fair_budget(layer) -> torch.Tensor:
@@ -19,16 +19,19 @@ def fair_budget(layer) -> torch.Tensor:
     return layer.counters.n_chunks.double() * layer.config.bavg / 8 * elements
 
 
-def chunk_bytes(layer) -> tuple[torch.Tensor, torch.Tensor]:
-    """Real bytes of one chunk's keys and of its values at each kept tier (:func:`hqekv.allocation.chunk_bytes`)."""
+def chunk_bytes(layer, held: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Real bytes of one chunk's keys and of its values at each kept tier (:func:`hqekv.allocation.chunk_bytes`):
+    at each tier's own width, what placing a chunk there costs, or with ``held`` at the
+    width its pool holds now (a prompt's waiting keys: :data:`~hqekv.tiers.WIDE_BITS`)."""
     pools = layer.pools[KEY]
+    widths = tuple({t: layer.pools[c].bits(t) for t in QUANTIZED_TIERS} for c in (KEY, VALUE)) if held else None
     return allocation.chunk_bytes(
         layer.num_kv_heads, layer.config.chunk_size, layer.head_dim, layer.value_group,
-        pools.fp.element_size(), pools.quantized[QUANTIZED_TIERS[0]].meta0.element_size(), pools.fp.device,
+        pools.fp.element_size(), pools.quantized[QUANTIZED_TIERS[0]].meta0.element_size(), pools.fp.device, widths,
     )  # fmt: skip
 
 
 def held_bytes(layer) -> torch.Tensor:
     """Real bytes each row's chunks hold at their tiers, codes and metadata (B,) float64."""
     table = layer.live_table()
-    return allocation.tier_bytes(table.k_tier, table.v_tier, *chunk_bytes(layer))
+    return allocation.tier_bytes(table.k_tier, table.v_tier, *chunk_bytes(layer, held=True))

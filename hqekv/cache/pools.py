@@ -43,19 +43,26 @@ class QuantizedPool:
         return (self.codes, self.meta0, self.meta1)
 
 
-def encode_chunks(chunks: torch.Tensor, tier: int, component: str, value_group: int, meta_dtype: torch.dtype) -> QuantizedPool:
-    """Quantize and pack chunks: (N, H, G, D) -> QuantizedPool at ``tier`` (``hqekv::quantize_pack``)."""
-    bits, normalized = TIER_FORMATS[tier]
+def encode_chunks(
+    chunks: torch.Tensor, tier: int, component: str, value_group: int, meta_dtype: torch.dtype, bits: int | None = None
+) -> QuantizedPool:
+    """Quantize and pack chunks: (N, H, G, D) -> QuantizedPool at ``tier`` (``hqekv::quantize_pack``),
+    ``bits`` wide if given (:data:`~hqekv.tiers.WIDE_BITS` for the 4-bit tier), else the tier's own."""
+    default_bits, normalized = TIER_FORMATS[tier]
+    bits = bits or default_bits
     return QuantizedPool(
         *kernels.call(kernels.quantize_pack, chunks, bits, normalized, component == KEY, value_group, meta_dtype)
     )
 
 
 def decode_chunks(
-    pool: QuantizedPool, tier: int, component: str, chunk_size: int, head_dim: int, value_group: int, dtype: torch.dtype
+    pool: QuantizedPool, tier: int, component: str, chunk_size: int, head_dim: int, value_group: int, dtype: torch.dtype,
+    bits: int | None = None,
 ) -> torch.Tensor:
-    """Unpack and dequantize: QuantizedPool at ``tier`` -> (N, H, G, D) ``dtype`` (``hqekv::dequantize``)."""
-    bits, normalized = TIER_FORMATS[tier]
+    """Unpack and dequantize: QuantizedPool at ``tier`` (``bits`` wide if given, else the
+    tier's own) -> (N, H, G, D) ``dtype`` (``hqekv::dequantize``)."""
+    default_bits, normalized = TIER_FORMATS[tier]
+    bits = bits or default_bits
     return kernels.call(
         kernels.dequantize, *pool.tensors(), bits, normalized, component == KEY, value_group, chunk_size, head_dim, dtype
     )
@@ -87,6 +94,10 @@ class ComponentPools:
         return ComponentPools(
             none.to(fp_dtype), {t: encode_chunks(none, t, component, value_group, meta_dtype) for t in QUANTIZED_TIERS}
         )
+
+    def bits(self, t: int) -> int:
+        """The width of quantized tier ``t``'s codes (:func:`hqekv.kernels.tier_formats`)."""
+        return kernels.tier_formats(self.op_order())[t][0]
 
     def op_order(self) -> list[torch.Tensor]:
         """The pools in ``hqekv::mixed_attention`` order: FP16, then codes, meta0, meta1 of each quantized tier."""
@@ -124,11 +135,19 @@ class ComponentPools:
 
         Without room the tier grows first (new tensors), as ``capacity`` sizes it: a static
         cache by :data:`~hqekv.cache.rows.GROWTH` at least, so that growing is rare; others
-        to exactly the slots needed.
+        to exactly the slots needed. Codes of another width than the tier's (a prompt's
+        waiting chunks at :data:`~hqekv.tiers.WIDE_BITS`, and back) replace its tensors,
+        with as many slots.
         """
         if not 0 <= start <= self.used[t]:
             raise ValueError(f"slots are stored from {start}, but tier {t} has {self.used[t]} in use: no gaps")
         new_parts = (new,) if t == FP16 else new.tensors()
+        if new_parts[0].shape[1:] != self._parts(t)[0].shape[1:]:  # codes of another width (WIDE_BITS)
+            if start:
+                raise ValueError(f"tier {t} changes width only when rewritten from its first slot, not from {start}")
+            room = self.capacity(t)
+            self.quantized[t] = QuantizedPool(*(y.new_zeros(room, *y.shape[1:]) for y in new_parts))
+            self.used[t] = 0
         end = start + new_parts[0].shape[0]
         room = self.capacity(t)
         if end > room:

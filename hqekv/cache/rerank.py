@@ -28,7 +28,8 @@ import torch
 from .. import allocation, importance, policy
 from ..config import HqeKVConfig, TierRatios
 from ..rotation import unrotate
-from ..tiers import EVICTED, FP16, INT1, INT2, INT4, QUANTIZED_TIERS, RERANK_TILE_CHUNKS, TILE_CHUNKS
+from ..tiers import (EVICTED, FP16, INT1, INT2, INT4, QUANTIZED_TIERS, RERANK_TILE_CHUNKS, TIER_FORMATS, TILE_CHUNKS,
+                     WIDE_BITS)
 from . import budget
 from .pools import KEY, VALUE, ComponentPools, QuantizedPool, encode_chunks
 from .table import ChunkTable
@@ -61,6 +62,15 @@ error the prompt's own tokens read during the prefill is what moves a chunked pr
 answers away from one-shot's, and a piece reads the text just before it most; the cost is
 fixed, 512 tokens in FP16 per layer whatever the prompt's length (``docs/results.md``,
 "What moves the chunked answers"). 0: every chunk waits at 4 bits (the former rule)."""
+
+
+WAITING_BITS = {KEY: WIDE_BITS, VALUE: TIER_FORMATS[INT4][0]}
+"""While a prompt arrives in pieces, the width of each component's 4-bit pool: the keys
+waiting there are stored at :data:`~hqekv.tiers.WIDE_BITS` bits, the values at 4, and
+:meth:`~hqekv.cache.HqeKVCache.settle` narrows them to 4 bits (or lower) from those codes.
+The 4-bit error of the earlier text a piece reads is what moves a chunked prompt's answers
+away from one-shot's; the keys' share of it is most of it (``docs/results.md``, "Keys
+waiting at 8 bits"). 4 for both: the former rule."""
 
 
 def waiting(tiers: torch.Tensor, how: str) -> torch.Tensor:
@@ -107,13 +117,16 @@ def rebuild(
     read: Callable[[str, torch.Tensor, torch.Tensor], torch.Tensor],
     value_group: int,
     meta_dtype: torch.dtype,
+    int4_bits: dict[str, int] | None = None,
 ) -> tuple[ChunkTable, dict[str, ComponentPools]]:
     """Pools and tables for new tiers (B, C); EVICTED entries are dropped.
 
     Chunks that keep their tier are copied slot to slot; downgraded ones are re-quantized
     from their dequantized values, ``read(component, rows, cols)`` -> (n, H, G, D) for the
     n table entries (rows, cols), asked for :data:`~hqekv.tiers.TILE_CHUNKS` at a time.
-    Tiers never move up.
+    Tiers never move up. ``int4_bits``: per component, the width of the new 4-bit pool
+    (:data:`WAITING_BITS`); where it is not the old pool's, every chunk at 4 bits is
+    re-quantized at it. None keeps each pool's width.
     """
     device = table.chunk_pos.device
     kept = (table.chunk_pos >= 0) & (new_k != EVICTED)
@@ -126,8 +139,10 @@ def rebuild(
         by_tier = {}
         for t in (FP16, *QUANTIZED_TIERS):
             at_t = kept & (new_tier == t)
-            same = at_t & (old_tier == t)
-            moved = at_t & (old_tier != t)
+            bits = pools[component].bits(t) if t != FP16 else None
+            width = (int4_bits or {}).get(component, bits) if t == INT4 else bits
+            same = at_t & (old_tier == t) & (width == bits)
+            moved = at_t & ~same
             rs, cs = same.nonzero(as_tuple=True)
             rm, cm = moved.nonzero(as_tuple=True)
             slot[rs, cs] = torch.arange(rs.numel(), device=device)
@@ -140,12 +155,14 @@ def rebuild(
                 # the new pool is written in place: the chunks that stay, then the moved ones
                 # a batch at a time (quantizing's temporaries stay the size of a batch)
                 old = pools[component].quantized[t].tensors()
-                new = QuantizedPool(*(x.new_empty(rs.numel() + rm.numel(), *x.shape[1:]) for x in old))
+                shaped = old if width == bits else encode_chunks(pools[component].fp[:0], t, component, value_group,
+                                                                 meta_dtype, width).tensors()  # fmt: skip
+                new = QuantizedPool(*(x.new_empty(rs.numel() + rm.numel(), *x.shape[1:]) for x in shaped))
                 for into, source in zip(new.tensors(), old):
                     torch.index_select(source, 0, old_slot[rs, cs], out=into[: rs.numel()])
                 start = rs.numel()
                 for r, c in zip(rm.split(TILE_CHUNKS), cm.split(TILE_CHUNKS)):
-                    fresh = encode_chunks(read(component, r, c), t, component, value_group, meta_dtype)
+                    fresh = encode_chunks(read(component, r, c), t, component, value_group, meta_dtype, width)
                     for into, source in zip(new.tensors(), fresh.tensors()):
                         into[start : start + r.numel()] = source
                     start += r.numel()
@@ -427,5 +444,7 @@ def apply_tiers(layer, table: ChunkTable, new_k: torch.Tensor, new_v: torch.Tens
     new_v = torch.maximum(table.v_tier, new_v)
     evicted = table.kept() & (new_k == EVICTED)
     read = layer.view(table).chunk_reader(layer.dtype)
-    layer.set_chunks(*rebuild(table, layer.pools, new_k, new_v, read, layer.value_group, layer.meta_dtype))
+    narrow = TIER_FORMATS[INT4][0]
+    int4_bits = WAITING_BITS if layer.deferring else {KEY: narrow, VALUE: narrow}
+    layer.set_chunks(*rebuild(table, layer.pools, new_k, new_v, read, layer.value_group, layer.meta_dtype, int4_bits))
     layer.counters.n_evicted += evicted.sum(1)

@@ -31,8 +31,8 @@ from typing import NamedTuple
 
 import torch
 
-from ..tiers import QUANTIZED_TIERS, TIER_FORMATS, TILE_CHUNKS
-from ..packing import unpack_codes
+from ..tiers import INT4, QUANTIZED_TIERS, TIER_FORMATS, TILE_CHUNKS, WIDE_BITS
+from ..packing import packed_words, unpack_codes
 from ..quantization import normal_tables
 from ._triton import HAVE_TRITON, INTERPRET, next_power_of_2, require_triton
 from .dequantize import dequantize_reference, packed_value_tiles
@@ -49,6 +49,20 @@ def quantized_pool(pools: list[torch.Tensor], tier: int) -> tuple[torch.Tensor, 
     """(codes, meta0, meta1) of ``tier`` out of a pool list in :data:`POOL_ORDER`."""
     i = 1 + 3 * QUANTIZED_TIERS.index(tier)
     return pools[i], pools[i + 1], pools[i + 2]
+
+
+def tier_formats(pools: list[torch.Tensor]) -> dict[int, tuple[int, bool]]:
+    """(bits, normalized) of each quantized tier of a component's pools (:data:`POOL_ORDER`):
+    the tier's own (:data:`~hqekv.tiers.TIER_FORMATS`), but a 4-bit pool whose code words
+    hold :data:`~hqekv.tiers.WIDE_BITS` codes per group is read at that width. Keys' codes
+    are (N, H, D, words) with groups of G tokens, values' (N, H, G, D / group, words)."""
+    _, _, g, d = pools[0].shape
+    formats = dict(TIER_FORMATS)
+    codes = quantized_pool(pools, INT4)[0]
+    n = g if codes.dim() == 4 else d // codes.shape[3]
+    if codes.shape[-1] == packed_words(n, WIDE_BITS) != packed_words(n, TIER_FORMATS[INT4][0]):
+        formats[INT4] = (WIDE_BITS, TIER_FORMATS[INT4][1])
+    return formats
 
 
 class PackedCache(NamedTuple):
@@ -124,6 +138,7 @@ def gather_chunks(
     b, c = tier.shape
     _, h, g, d = fp.shape
     out = fp.new_zeros(b, h, c + (tail is not None), g, d, dtype=dtype)
+    formats = tier_formats(pools)
     for t in range(1 + len(QUANTIZED_TIERS)):
         entries = (tier == t).nonzero(as_tuple=True)
         # a batch of chunks at a time: the unpacking's temporaries stay the size of a batch
@@ -133,7 +148,7 @@ def gather_chunks(
                 out[rows, :, cols] = fp[slots].to(dtype)
             else:
                 codes, m0, m1 = quantized_pool(pools, t)
-                bits, normalized = TIER_FORMATS[t]
+                bits, normalized = formats[t]
                 out[rows, :, cols] = dequantize_reference(
                     codes[slots], m0[slots], m1[slots], bits, normalized, per_channel, group, g, d, dtype
                 )
@@ -362,10 +377,11 @@ def _slot_affines(pools: list[torch.Tensor], sizes: list[int], shape: tuple[int,
     a = 1, b = 0 for the FP16 slots. ``shape``: one slot's metadata shape."""
     fp = pools[0]
     a, b = [fp.new_ones(sizes[0], *shape, dtype=torch.float32)], [fp.new_zeros(sizes[0], *shape, dtype=torch.float32)]
+    formats = tier_formats(pools)
     for t, n in zip(QUANTIZED_TIERS, sizes[1:]):
         if n:
             _, m0, m1 = quantized_pool(pools, t)
-            a_t, b_t = _affine(m0, m1, *TIER_FORMATS[t])
+            a_t, b_t = _affine(m0, m1, *formats[t])
             a.append(a_t)
             b.append(b_t)
     return torch.cat(a), torch.cat(b)  # the float32 FP16 parts widen the 16-bit metadata
@@ -381,9 +397,10 @@ def _key_slots(pools: list[torch.Tensor], sizes: list[int], g: int, d: int):
     codes = pools[0].new_empty(sum(sizes), h, d, g, dtype=torch.float32)
     codes[: sizes[0]] = pools[0].transpose(-1, -2)
     start = sizes[0]
+    formats = tier_formats(pools)
     for t, n in zip(QUANTIZED_TIERS, sizes[1:]):
         if n:
-            unpack_codes(quantized_pool(pools, t)[0], TIER_FORMATS[t][0], g, torch.float32, out=codes[start : start + n])
+            unpack_codes(quantized_pool(pools, t)[0], formats[t][0], g, torch.float32, out=codes[start : start + n])
             start += n
     return codes, *_slot_affines(pools, sizes, (h, d))
 
@@ -405,10 +422,11 @@ def _weighted_value_slots(
     fp = pools[0] if ng * group == d else torch.nn.functional.pad(pools[0], (0, ng * group - d))
     codes[:, :, :n0] = fp.reshape(n0, h, g, ng, group).permute(1, 3, 0, 2, 4)
     start = n0
+    formats = tier_formats(pools)
     for t, n in zip(QUANTIZED_TIERS, sizes[1:]):
         if n:
             words = quantized_pool(pools, t)[0]  # (N, H, G, ng, W)
-            unpack_codes(words.permute(1, 3, 0, 2, 4), TIER_FORMATS[t][0], group, torch.float32,
+            unpack_codes(words.permute(1, 3, 0, 2, 4), formats[t][0], group, torch.float32,
                          out=codes[:, :, start : start + n])  # fmt: skip
             start += n
     a, b = _slot_affines(pools, sizes, (h, g, ng))  # (N, H, G, ng) each
@@ -455,7 +473,8 @@ if HAVE_TRITON:
         table, table_strides, tail, tail_strides, parts,
         HKV, GQ, S, G, D, GROUP, C, CPS, SPLITS, scaling,
         BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-        DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr, PACKED_V: tl.constexpr,
+        DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr, PACKED_V: tl.constexpr, K4_BITS: tl.constexpr,
+        V4_BITS: tl.constexpr,
     ):  # fmt: skip
         """Program per (row b, KV head h, split): rows r = (query head in group, new token) of q.
 
@@ -508,7 +527,7 @@ if HAVE_TRITON:
                 if kt == 0:
                     k = _fp16_tile(k_pools[0], k_strides[0], ks, h, G, D, BLOCK_G, BLOCK_D)
                 elif kt == 1:
-                    k = load_key_tile(k_pools[1], k_strides[1], centres_ptr, ks, h, G, D, BLOCK_G, BLOCK_D, 4, False)
+                    k = load_key_tile(k_pools[1], k_strides[1], centres_ptr, ks, h, G, D, BLOCK_G, BLOCK_D, K4_BITS, False)
                 elif kt == 2:
                     k = load_key_tile(k_pools[2], k_strides[2], centres_ptr, ks, h, G, D, BLOCK_G, BLOCK_D, 2, False)
                 else:
@@ -518,7 +537,7 @@ if HAVE_TRITON:
                     v = _fp16_tile(v_pools[0], v_strides[0], vs, h, G, D, BLOCK_G, BLOCK_D)
                 elif vt == 1:
                     v = load_value_tile(v_pools[1], v_strides[1], centres_ptr, vs, h, G, D, GROUP, BLOCK_G, BLOCK_D,
-                                        4, False, PACKED_V)  # fmt: skip
+                                        V4_BITS, False, PACKED_V)  # fmt: skip
                 elif vt == 2:
                     v = load_value_tile(v_pools[2], v_strides[2], centres_ptr, vs, h, G, D, GROUP, BLOCK_G, BLOCK_D,
                                         2, False, PACKED_V)  # fmt: skip
@@ -628,7 +647,8 @@ def mixed_attention_triton(
         hkv, gq, s, g, d, value_group, c, cps, splits, scaling,
         BLOCK_R=block_r, BLOCK_G=max(32, next_power_of_2(g)), BLOCK_S=max(16, next_power_of_2(s)),
         BLOCK_D=max(16, next_power_of_2(d)), DOT_DTYPE=dot_dtype, IEEE=dot_dtype == tl.float32,
-        PACKED_V=packed_value_tiles(value_group, d),
+        PACKED_V=packed_value_tiles(value_group, d), K4_BITS=tier_formats(k_pools)[INT4][0],
+        V4_BITS=tier_formats(v_pools)[INT4][0],
     )  # fmt: skip
     # merge the splits by log-sum-exp
     m_max = part_m.amax(2, keepdim=True)

@@ -34,7 +34,7 @@ import torch
 from ..quantization import normal_tables
 from ..user_cache import cache_dir
 from ..tiers import QUANTIZED_TIERS, TIER_FORMATS
-from .mixed_attention import PackedCache, check_args
+from .mixed_attention import PackedCache, check_args, tier_formats
 from .quantize_pack import packed_shapes
 
 ENABLED = os.environ.get("HQEKV_CPU_KERNEL", "1") != "0"
@@ -150,7 +150,8 @@ def _centres() -> torch.Tensor:
 
 def supports(query: torch.Tensor, cache: PackedCache) -> bool:
     """Whether the kernel takes these inputs: CPU tensors in float32/float16/bfloat16, the
-    FP16 pools in the tail's dtype and all metadata in one dtype (else the reference runs)."""
+    FP16 pools in the tail's dtype, all metadata in one dtype and every tier at its own width
+    (not a prompt's waiting chunks at :data:`~hqekv.tiers.WIDE_BITS`; else the reference runs)."""
     meta = {m.dtype for pools in (cache.k_pools, cache.v_pools) for m in pools[2::3] + pools[3::3]}
     tail_dtype = cache.tail_k.dtype
     return (
@@ -160,6 +161,7 @@ def supports(query: torch.Tensor, cache: PackedCache) -> bool:
         and cache.tail_v.dtype == tail_dtype == cache.k_pools[0].dtype == cache.v_pools[0].dtype
         and len(meta) == 1
         and meta <= DTYPES.keys()
+        and tier_formats(cache.k_pools) == tier_formats(cache.v_pools) == TIER_FORMATS
     )
 
 

@@ -56,7 +56,7 @@ def strides(n: int) -> tuple:
 
 def variants(target: GPUTarget):
     """(description, thunk) for every kernel variant the launchers can ask for."""
-    formats = [(4, False), (2, False), (1, True)]
+    formats = [(8, False), (4, False), (2, False), (1, True)]  # 8: a prompt's waiting keys (tiers.WIDE_BITS)
     for (bits, normalized), dtype, meta in itertools.product(formats, ("fp32", "fp16", "bf16"), ("fp16", "bf16")):
         types = {"x_ptr": FLOATS[dtype], "codes_ptr": "*i32", "m0_ptr": FLOATS[meta], "m1_ptr": FLOATS[meta],
                     "bounds_ptr": "*fp32"}  # fmt: skip
@@ -76,7 +76,7 @@ def variants(target: GPUTarget):
         yield f"dequantize {bits}-bit {'keys' if per_channel else 'values'}{' packed' if packed else ''}", (
             lambda t=types, c=constexprs: compile_kernel(dequantize._dequantize_kernel, t, c, target)
         )
-    for dtype, packed in itertools.product(("fp16", "bf16", "fp32"), (True, False)):
+    for dtype, packed, (k4, v4) in itertools.product(("fp16", "bf16", "fp32"), (True, False), ((4, 4), (8, 4))):
         model, meta = FLOATS[dtype], FLOATS["bf16" if dtype == "bf16" else "fp16"]
         packed_pool = ("*i32", meta, meta)
         types = {
@@ -88,8 +88,8 @@ def variants(target: GPUTarget):
         }  # fmt: skip
         dot = {"fp16": triton.language.float16, "bf16": triton.language.bfloat16, "fp32": triton.language.float32}[dtype]
         constexprs = dict(BLOCK_R=16, BLOCK_G=32, BLOCK_S=16, BLOCK_D=128 if packed else 16, DOT_DTYPE=dot,
-                          IEEE=dtype == "fp32", PACKED_V=packed)  # fmt: skip
-        yield f"mixed_attention {dtype}{' packed values' if packed else ''}", (
+                          IEEE=dtype == "fp32", PACKED_V=packed, K4_BITS=k4, V4_BITS=v4)  # fmt: skip
+        yield f"mixed_attention {dtype}{' packed values' if packed else ''}, 4-bit tier {k4}/{v4} bits", (
             lambda t=types, c=constexprs: compile_kernel(mixed_attention._mixed_attention_kernel, t, c, target)
         )
 
