@@ -69,9 +69,11 @@ DEFERRED_WAIT = "int4"
 (:meth:`~hqekv.cache.HqeKVCache.defer_eviction` until ``settle``): nothing is evicted before
 the prompt's end is seen, and
 
-- "int4" (the default): every chunk waits at 4 bits but the protected ones (FP16), as under
+- "int4" (the default): every chunk waits at the 4-bit tier (keys at 8 bits,
+  :data:`hqekv.cache.rerank.WAITING_BITS`) but the protected ones (FP16), as under
   fixed ratios, so that the prompt's end can still place any chunk at any tier below FP16;
-  the transient is the 4-bit codes and their metadata, about 5 bits per element;
+  the transient is the codes and their metadata, about 6.75 bits per element (9 for the
+  keys, 4.5 for the values at a value group of 64);
 - "budget": the allocator chooses within :data:`DEFERRED` times the budget, the layers
   sharing it after each piece; chunks the early pieces' windows do not read fall to 2 and
   1 bit, and the prompt's end cannot bring them back (an ablation: docs/results.md, "The

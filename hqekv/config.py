@@ -250,10 +250,11 @@ class HqeKVConfig:
     chunked_prefill : {"wait", "evict"}, default "wait"
         What the cache does while a prompt arrives in pieces (``generate(prefill_chunk_size=...)``,
         or :meth:`~hqekv.cache.HqeKVCache.defer_eviction` in a loop of one's own). "wait":
-        evict nothing and hold every chunk at 4 bits (FP16 where the ratios or the allocator
-        keep it) until the prompt's end, then place every tier within the budget with the
-        prompt's last queries: a chunked prompt ends as a one-shot one would, and the peak
-        holds about 5 bits per element of the prompt (4-bit codes and their metadata). "evict":
+        evict nothing and hold every chunk at the 4-bit tier, its keys at 8 bits (FP16 where
+        the ratios or the allocator keep it) until the prompt's end, then place every tier
+        within the budget with the prompt's last queries: a chunked prompt ends as a one-shot
+        one would, and the peak holds about 6.75 bits per element of the prompt (8-bit keys,
+        4-bit values and their metadata). "evict":
         every piece is ranked and evicted within the budget as it arrives, so the cache stays
         near its budget throughout: the smallest peak, at a quality cost, since an early
         piece is ranked before the question at the prompt's end is seen

@@ -132,11 +132,12 @@ class HqeKVCache(Cache):
         """A prompt will arrive in pieces (``generate(prefill_chunk_size=...)`` calls this; so
         can a loop of one's own): until :meth:`settle`, re-ranks quantize as usual but evict
         nothing, since the pieces to come (the question, at the end of a prompt) may need
-        what an early piece's queries did not look at. Every chunk waits at 4 bits, but
-        those the policy keeps in FP16 (fixed ratios) or protects (the allocator,
-        ``ratios="auto"``; :data:`~hqekv.allocation.DEFERRED_WAIT`) and those among the
-        prompt's newest tokens (:data:`hqekv.cache.rerank.WAITING_RECENT`), in FP16; that
-        transient allowance is real memory, and the memory report counts it until :meth:`settle`.
+        what an early piece's queries did not look at. Every chunk waits at the 4-bit tier, its
+        keys stored at 8 bits (:data:`hqekv.cache.rerank.WAITING_BITS`), but those the policy
+        keeps in FP16 (fixed ratios) or protects (the allocator, ``ratios="auto"``;
+        :data:`~hqekv.allocation.DEFERRED_WAIT`) and those among the prompt's newest tokens
+        (:data:`hqekv.cache.rerank.WAITING_RECENT`), in FP16; that transient allowance is real
+        memory, and the memory report counts it until :meth:`settle`.
         A no-op under ``chunked_prefill="evict"`` (:class:`~hqekv.HqeKVConfig`): every piece
         then evicts at its own re-rank, within the budget."""
         for layer in self.hqekv_layers:

@@ -395,7 +395,8 @@ def rerank(layer, rows: torch.Tensor, provisional: bool = False) -> None:
     Importance comes from the window queries over the current cache; chunks only move
     downward (FP16 → 4 → 2 → 1 → evicted), re-quantized from their dequantized values.
     While ``layer.deferring`` (a prompt in pieces), no chunk is evicted, and each chunk waits
-    at 4 bits for :meth:`HqeKVCache.settle` unless the policy keeps it in FP16 (fixed ratios,
+    at the 4-bit tier (its keys at 8 bits, :data:`WAITING_BITS`) for
+    :meth:`HqeKVCache.settle` unless the policy keeps it in FP16 (fixed ratios,
     :data:`WAITING`), it is protected (the allocator, :func:`waiting_at_int4`) or it is among
     the prompt's newest tokens (:data:`WAITING_RECENT`). Under
     ``allocation="rate-distortion"``, ``provisional`` (a multi-token input) keeps the layer

@@ -11,9 +11,9 @@ from transformers import CompileConfig
 import hqekv
 from hqekv.cache import budget, rerank
 from hqekv.eval.tasks import prefill
-from hqekv.tiers import FP16, INT4
+from hqekv.tiers import FP16, INT4, KEY, VALUE
 
-from ..helpers import MIXED, prompt, tiny_llama
+from ..helpers import MIXED, prompt, sharpen_attention, tiny_llama
 
 
 def generate(model, ids, mask=None, n=40, **kw):
@@ -92,6 +92,40 @@ def test_beam_search_over_prefill_chunks():
     assert evicted == [layer.counters.n_evicted.tolist() for layer in once.hqekv_layers]
     assert all(n > 0 for row in evicted for n in row) and len(evicted[0]) == 3
     assert not any(layer.deferring for layer in chunked.hqekv_layers)
+
+
+@pytest.mark.parametrize("setting", [dict(ratios=MIXED), dict(bavg=2.0, ratios="auto")], ids=["ratios", "auto"])
+def test_a_deferred_prompt_keeps_its_waiting_keys_at_8_bits_until_settle(setting, monkeypatch):
+    """While a prompt arrives in pieces, the keys waiting at the 4-bit tier are stored at 8
+    bits (``rerank.WAITING_BITS``), the values at 4: the last piece's logits move less than
+    half as far from the unpatched model's as with every chunk waiting at 4 bits (attention
+    sharpened, so that keys matter). ``settle`` narrows them to the tier's 4 bits."""
+    model = tiny_llama(layers=3)
+    sharpen_attention(model)
+    ids = prompt(1024, seed=5)
+    with torch.no_grad():
+        unpatched = model(ids).logits[:, -256:]
+    hqekv.patch_model(model, value_group=16, **setting)
+
+    def last_piece_error():
+        for _, cache in in_pieces(model, ids[:, :-256]):
+            pass
+        with torch.no_grad():
+            logits = model(ids[:, -256:], cache=cache).logits
+        return (logits - unpatched).abs().mean().item(), cache
+
+    error, cache = last_piece_error()
+    widths = {c: {layer.pools[c].bits(INT4) for layer in cache.hqekv_layers} for c in (KEY, VALUE)}
+    assert widths == {KEY: {8}, VALUE: {4}}
+    assert all(int((layer.live_table().k_tier == INT4).sum()) > 0 for layer in cache.hqekv_layers)
+    report = cache.memory_report()
+    held, _ = held_and_allowed(cache)
+    assert sum(n for part, n in report.bytes_by_part.items() if part[:2] in ("k.", "v.")) == held
+    cache.settle()
+    assert {layer.pools[c].bits(INT4) for layer in cache.hqekv_layers for c in (KEY, VALUE)} == {4}
+    monkeypatch.setattr(rerank, "WAITING_BITS", {KEY: 4, VALUE: 4})
+    narrow, _ = last_piece_error()
+    assert error < 0.5 * narrow, (error, narrow)
 
 
 def in_pieces(model, ids, piece=256, cache=None):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from hqekv.tiers import QUANTIZED_TIERS, TIER_FORMATS
+from hqekv.tiers import INT4, QUANTIZED_TIERS, TIER_FORMATS
 from hqekv.kernels.mixed_attention import PackedCache
 from hqekv.kernels.quantize_pack import quantize_pack_reference
 
@@ -12,7 +12,7 @@ from hqekv.kernels.quantize_pack import quantize_pack_reference
 def random_mixed_cache(
     b: int, hq: int, hkv: int, s: int, d: int, n_chunks: int, g: int = 32, value_group: int = 32,
     dtype=torch.float32, tiers=(0, 1, 2, 3), empty_every: int = 0, seed: int = 0, device="cpu", quantize=None,
-    fp_dtype=None,
+    fp_dtype=None, int4_bits=(4, 4),
 ) -> dict:  # fmt: skip
     """The inputs of ``mixed_attention`` by name, the cache's fields laid out flat (so that a
     test can replace one; :func:`packed` gathers them), with ``n_chunks`` table entries per row.
@@ -21,7 +21,8 @@ def random_mixed_cache(
     ``empty_every``-th entry is left empty (-1). Pools hold the chunks in shuffled slots plus
     a free slot at the end. ``quantize`` defaults to the reference quantizer. ``fp_dtype``
     stores the FP16 pools and the tails in another dtype than the queries (as a cache does
-    for an fp32 model).
+    for an fp32 model). ``int4_bits``: the code width of the keys' and the values' 4-bit
+    pools (8: a prompt's waiting chunks, :data:`hqekv.tiers.WIDE_BITS`).
     """
     quantize = quantize or quantize_pack_reference
     gen = torch.Generator().manual_seed(seed)
@@ -32,7 +33,7 @@ def random_mixed_cache(
 
     tables = {}
     pools = {}
-    for comp in ("k", "v"):
+    for comp, width in zip(("k", "v"), int4_bits):
         tier = torch.tensor(tiers)[torch.randint(len(tiers), (b, n_chunks), generator=gen)]
         if empty_every:
             tier[:, empty_every - 1 :: empty_every] = -1
@@ -47,6 +48,7 @@ def random_mixed_cache(
                 comp_pools.append(chunks if fp_dtype is None else chunks.to(fp_dtype))
             else:
                 bits, normalized = TIER_FORMATS[t]
+                bits = width if t == INT4 else bits
                 comp_pools += quantize(chunks, bits, normalized, comp == "k", value_group, meta_dtype)
         tables[f"{comp}_tier"], tables[f"{comp}_slot"] = tier.to(device), slot.to(device)
         pools[f"{comp}_pools"] = comp_pools

@@ -18,7 +18,10 @@ import torch
 from hqekv import kernels
 from hqekv.kernels._triton import HAVE_TRITON
 from hqekv.kernels.dequantize import dequantize_reference, dequantize_triton
-from hqekv.kernels.mixed_attention import _tiled_attention, mixed_attention_reference, mixed_attention_triton
+from hqekv.kernels import mixed_attention_cpu as cpu_kernel
+from hqekv.kernels.mixed_attention import (PackedCache, _tiled_attention, mixed_attention_reference,
+                                           mixed_attention_triton)
+from hqekv.tiers import FP16, INT4
 from hqekv.kernels.quantize_pack import quantize_pack_reference, quantize_pack_triton
 
 from .random_cache import op_arguments, packed, random_mixed_cache
@@ -163,6 +166,48 @@ def test_tiled_attention_of_a_prompt_chunk_matches_the_dense_copy_in_16_bits(dty
     tiled = mixed_attention_reference(**packed(args), strategy="tiles")
     scale = dense.abs().max().item()
     torch.testing.assert_close(tiled.float(), dense.float(), atol=ATTENTION_TOL[dtype] * scale, rtol=0)
+
+
+def as_fp16_chunks(args: dict) -> dict:
+    """``args`` with every 4-bit chunk moved to a new FP16 slot holding its values, decoded
+    at the width its pool was made with (``random_mixed_cache``'s ``int4_bits``)."""
+    out = dict(args)
+    for comp, width in zip(("k", "v"), args["int4_bits"]):
+        pools, tier, slot = args[f"{comp}_pools"], args[f"{comp}_tier"].clone(), args[f"{comp}_slot"].clone()
+        fp = pools[0]
+        _, h, g, d = fp.shape
+        decoded = dequantize_reference(*pools[1:4], width, False, comp == "k", args["value_group"], g, d, fp.dtype)
+        rows, cols = (tier == INT4).nonzero(as_tuple=True)
+        slot[rows, cols] = fp.shape[0] + slot[rows, cols]
+        tier[rows, cols] = FP16
+        out[f"{comp}_pools"] = [torch.cat([fp, decoded]), *pools[1:]]
+        out[f"{comp}_tier"], out[f"{comp}_slot"] = tier, slot
+    return out
+
+
+@pytest.mark.parametrize("int4_bits", [(8, 4), (4, 8), (8, 8)], ids=["wide-keys", "wide-values", "wide-both"])
+@pytest.mark.parametrize("s", [1, 3, 40], ids=["decode", "piece", "prompt-chunk"])
+def test_a_4_bit_pool_of_8_bit_codes_is_read_at_8_bits_by_every_implementation(int4_bits, s):
+    """A prompt's waiting chunks sit in the 4-bit tier's pools at 8 bits (``tiers.WIDE_BITS``):
+    every implementation reads them at their width, as if their decoded values were FP16
+    chunks; the CPU kernel refuses such a cache (the reference runs)."""
+    shape = dict(b=2, hq=4, hkv=2, s=s, d=64, n_chunks=7, value_group=32, empty_every=5)
+    args = random_mixed_cache(int4_bits=int4_bits, **shape)
+    args["int4_bits"] = int4_bits
+    assert kernels.tier_formats(args["k_pools"])[INT4][0] == int4_bits[0]
+    assert kernels.tier_formats(args["v_pools"])[INT4][0] == int4_bits[1]
+    fields = {k: v for k, v in args.items() if k != "int4_bits"}
+    expected = mixed_attention_reference(**packed(as_fp16_chunks(args)), strategy="dense")
+    scale = expected.abs().max().item()
+    for strategy in ("pools", "dense", "tiles"):
+        got = mixed_attention_reference(**packed(fields), strategy=strategy)
+        torch.testing.assert_close(got, expected, atol=2e-5 * scale, rtol=0)
+    got = kernels.attend(**packed(fields))  # the op's dispatch: on CPU, the reference for this cache
+    torch.testing.assert_close(got, expected, atol=2e-5 * scale, rtol=0)
+    assert not cpu_kernel.supports(fields["query"], PackedCache(*(fields[n] for n in PackedCache._fields)))
+    if s * 2 <= 64:  # the Triton kernel's rows
+        got = mixed_attention_triton(**packed(to_device(fields))).cpu()
+        torch.testing.assert_close(got, expected, atol=ATTENTION_TOL[torch.float32] * scale, rtol=0)
 
 
 def test_mixed_attention_query_that_sees_nothing_gets_zeros():
