@@ -9,7 +9,8 @@ Inputs (``B`` rows, ``Hq`` query heads, ``Hkv`` KV heads, ``S`` new tokens, chun
     FP16 slots (N, Hkv, G, D), then codes/meta0/meta1 of the 4-bit, 2-bit and 1-bit pools
     (layouts of :mod:`~hqekv.kernels.quantize_pack`). Pools may have free slots. The 4-bit
     pools may hold 8-bit codes (a prompt's waiting chunks): their words say so
-    (:func:`tier_formats`), and every implementation reads them at that width.
+    (:func:`tier_formats`), and the reference and the Triton kernel read them at that width
+    (the fused CPU kernel leaves such a cache to the reference).
   - k_tier, k_slot, v_tier, v_slot (B, C) int64: the chunk table. Entry (b, c) is a kept chunk
     at tier ``k_tier`` (0 FP16, 1 4-bit, 2 2-bit, 3 1-bit) stored in slot ``k_slot`` of that
     tier's pool; entries with tier < 0 are empty. Every kept chunk precedes the new tokens.
