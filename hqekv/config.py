@@ -27,9 +27,12 @@ chooses tiers within a byte budget (:mod:`hqekv.allocation`)."""
 IMPORTANCE_KINDS = ("attention", "random")
 """attention: the paper's metrics (§3.2); random: the control that isolates them."""
 
-CHUNKED_PREFILL = ("wait", "evict")
-"""Choices of HqeKVConfig.chunked_prefill: wait (evict once the prompt is whole) or evict
-(each piece within the budget as it arrives)."""
+CHUNKED_PREFILL = ("wait", "wait-4bit", "evict")
+"""Choices of HqeKVConfig.chunked_prefill: wait (evict once the prompt is whole, the waiting
+keys at 8 bits), wait-4bit (the same, keys at 4 bits) or evict (each piece within the budget
+as it arrives)."""
+DEFERRING = ("wait", "wait-4bit")
+"""The choices of :data:`CHUNKED_PREFILL` under which a prompt's chunks wait for its end."""
 
 MAX_BAVG = 16.0
 RATIO_TOLERANCE = 1e-4
@@ -247,14 +250,16 @@ class HqeKVConfig:
         expected error of the window queries' attention outputs is smallest
         (:mod:`hqekv.allocation`). ``bavg`` then counts real bits, metadata included, and
         ``ratios`` only size a static cache's first reserve. ``patch_model(ratios="auto")``.
-    chunked_prefill : {"wait", "evict"}, default "wait"
+    chunked_prefill : {"wait", "wait-4bit", "evict"}, default "wait"
         What the cache does while a prompt arrives in pieces (``generate(prefill_chunk_size=...)``,
         or :meth:`~hqekv.cache.HqeKVCache.defer_eviction` in a loop of one's own). "wait":
         evict nothing and hold every chunk at the 4-bit tier, its keys at 8 bits (FP16 where
         the ratios or the allocator keep it) until the prompt's end, then place every tier
         within the budget with the prompt's last queries: a chunked prompt ends as a one-shot
         one would, and the peak holds about 6.75 bits per element of the prompt (8-bit keys,
-        4-bit values and their metadata). "evict":
+        4-bit values and their metadata). "wait-4bit": the same with the keys at 4 bits,
+        about 4.75 bits per element held, where the pieces read more error and a chunked
+        prompt's answers move further from one-shot's. "evict":
         every piece is ranked and evicted within the budget as it arrives, so the cache stays
         near its budget throughout: the smallest peak, at a quality cost, since an early
         piece is ranked before the question at the prompt's end is seen

@@ -96,11 +96,13 @@ def patch_model(
     value_group : int, optional
         Channels per value quantization group; by default 64, or the largest power of two
         below it that divides the head dim (32 for head dim 96, 16 for 80).
-    chunked_prefill : {"wait", "evict"}, default "wait"
+    chunked_prefill : {"wait", "wait-4bit", "evict"}, default "wait"
         A prompt fed in pieces (``generate(prefill_chunk_size=...)``): "wait" evicts once the
-        whole prompt is in (the quality of a one-shot prefill, about 5 bits per element held
-        until then); "evict" keeps the cache near its budget from the first piece on (the
-        smallest peak memory, at a quality cost). See :class:`hqekv.HqeKVConfig`.
+        whole prompt is in (the quality of a one-shot prefill, about 6.75 bits per element
+        held until then: keys at 8 bits, values at 4); "wait-4bit" holds the keys at 4 bits
+        too (about 4.75 bits per element, the answers moving more); "evict" keeps the cache
+        near its budget from the first piece on (the smallest peak memory, at a larger
+        quality cost). See :class:`hqekv.HqeKVConfig`.
     chunk_size, window, rerank_interval, protected_chunks, eviction, metadata_dtype, fp_dtype, rotation, importance
         See :class:`hqekv.HqeKVConfig`.
 

@@ -11,7 +11,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from .. import allocation
-from ..config import HqeKVConfig
+from ..config import DEFERRING, HqeKVConfig
 from ..memory import cache_report
 from . import budget, rerank
 from .layer import HqeKVLayer
@@ -137,11 +137,12 @@ class HqeKVCache(Cache):
         keeps in FP16 (fixed ratios) or protects (the allocator, ``ratios="auto"``;
         :data:`~hqekv.allocation.DEFERRED_WAIT`) and those among the prompt's newest tokens
         (:data:`hqekv.cache.rerank.WAITING_RECENT`), in FP16; that transient allowance is real
-        memory, and the memory report counts it until :meth:`settle`.
+        memory, and the memory report counts it until :meth:`settle` (``chunked_prefill="wait-4bit"``:
+        the keys at 4 bits too).
         A no-op under ``chunked_prefill="evict"`` (:class:`~hqekv.HqeKVConfig`): every piece
         then evicts at its own re-rank, within the budget."""
         for layer in self.hqekv_layers:
-            layer.deferring = layer.config.chunked_prefill == "wait"
+            layer.deferring = layer.config.chunked_prefill in DEFERRING
 
     @torch.compiler.disable
     def settle(self) -> None:

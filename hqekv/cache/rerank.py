@@ -70,7 +70,7 @@ waiting there are stored at :data:`~hqekv.tiers.WIDE_BITS` bits, the values at 4
 :meth:`~hqekv.cache.HqeKVCache.settle` narrows them to 4 bits (or lower) from those codes.
 The 4-bit error of the earlier text a piece reads is what moves a chunked prompt's answers
 away from one-shot's; the keys' share of it is most of it (``docs/results.md``, "Keys
-waiting at 8 bits"). 4 for both: the former rule."""
+waiting at 8 bits"). ``chunked_prefill="wait-4bit"`` keeps both at 4 (the former rule)."""
 
 
 def waiting(tiers: torch.Tensor, how: str) -> torch.Tensor:
@@ -446,6 +446,7 @@ def apply_tiers(layer, table: ChunkTable, new_k: torch.Tensor, new_v: torch.Tens
     evicted = table.kept() & (new_k == EVICTED)
     read = layer.view(table).chunk_reader(layer.dtype)
     narrow = TIER_FORMATS[INT4][0]
-    int4_bits = WAITING_BITS if layer.deferring else {KEY: narrow, VALUE: narrow}
+    wide = layer.deferring and layer.config.chunked_prefill == "wait"
+    int4_bits = WAITING_BITS if wide else {KEY: narrow, VALUE: narrow}
     layer.set_chunks(*rebuild(table, layer.pools, new_k, new_v, read, layer.value_group, layer.meta_dtype, int4_bits))
     layer.counters.n_evicted += evicted.sum(1)

@@ -95,17 +95,17 @@ def test_beam_search_over_prefill_chunks():
 
 
 @pytest.mark.parametrize("setting", [dict(ratios=MIXED), dict(bavg=2.0, ratios="auto")], ids=["ratios", "auto"])
-def test_a_deferred_prompt_keeps_its_waiting_keys_at_8_bits_until_settle(setting, monkeypatch):
+def test_a_deferred_prompt_keeps_its_waiting_keys_at_8_bits_until_settle(setting):
     """While a prompt arrives in pieces, the keys waiting at the 4-bit tier are stored at 8
     bits (``rerank.WAITING_BITS``), the values at 4: the last piece's logits move less than
-    half as far from the unpatched model's as with every chunk waiting at 4 bits (attention
-    sharpened, so that keys matter). ``settle`` narrows them to the tier's 4 bits."""
+    half as far from the unpatched model's as under ``chunked_prefill="wait-4bit"``, where
+    every chunk waits at 4 bits (attention sharpened, so that keys matter). ``settle``
+    narrows them to the tier's 4 bits."""
     model = tiny_llama(layers=3)
     sharpen_attention(model)
     ids = prompt(1024, seed=5)
     with torch.no_grad():
         unpatched = model(ids).logits[:, -256:]
-    hqekv.patch_model(model, value_group=16, **setting)
 
     def last_piece_error():
         for _, cache in in_pieces(model, ids[:, :-256]):
@@ -114,6 +114,7 @@ def test_a_deferred_prompt_keeps_its_waiting_keys_at_8_bits_until_settle(setting
             logits = model(ids[:, -256:], cache=cache).logits
         return (logits - unpatched).abs().mean().item(), cache
 
+    hqekv.patch_model(model, value_group=16, **setting)
     error, cache = last_piece_error()
     widths = {c: {layer.pools[c].bits(INT4) for layer in cache.hqekv_layers} for c in (KEY, VALUE)}
     assert widths == {KEY: {8}, VALUE: {4}}
@@ -123,8 +124,12 @@ def test_a_deferred_prompt_keeps_its_waiting_keys_at_8_bits_until_settle(setting
     assert sum(n for part, n in report.bytes_by_part.items() if part[:2] in ("k.", "v.")) == held
     cache.settle()
     assert {layer.pools[c].bits(INT4) for layer in cache.hqekv_layers for c in (KEY, VALUE)} == {4}
-    monkeypatch.setattr(rerank, "WAITING_BITS", {KEY: 4, VALUE: 4})
-    narrow, _ = last_piece_error()
+    hqekv.unpatch_model(model)
+    hqekv.patch_model(model, value_group=16, chunked_prefill="wait-4bit", **setting)
+    narrow, cache = last_piece_error()
+    assert {layer.pools[c].bits(INT4) for layer in cache.hqekv_layers for c in (KEY, VALUE)} == {4}
+    assert all(int((layer.live_table().k_tier == INT4).sum()) > 0 for layer in cache.hqekv_layers)
+    assert all(int(layer.counters.n_evicted.sum()) == 0 for layer in cache.hqekv_layers)
     assert error < 0.5 * narrow, (error, narrow)
 
 
@@ -316,7 +321,7 @@ def test_with_chunked_prefill_evict_every_piece_evicts_within_the_budget(setting
             assert evict_bytes <= allowed, (evict_bytes, allowed)
 
 
-def test_chunked_prefill_takes_wait_or_evict():
+def test_chunked_prefill_takes_wait_wait_4bit_or_evict():
     with pytest.raises(ValueError, match="chunked_prefill must be one of"):
         hqekv.patch_model(tiny_llama(), bavg=2.0, ratios="auto", chunked_prefill="later")
 
