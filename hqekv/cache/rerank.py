@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 import torch
 
-from .. import allocation, importance, policy
+from .. import allocation, importance, kernels, policy
 from ..config import HqeKVConfig, TierRatios
 from ..rotation import unrotate
 from ..tiers import (EVICTED, FP16, INT1, INT2, INT4, QUANTIZED_TIERS, RERANK_TILE_CHUNKS, TIER_FORMATS, TILE_CHUNKS,
@@ -447,6 +447,7 @@ def apply_tiers(layer, table: ChunkTable, new_k: torch.Tensor, new_v: torch.Tens
     read = layer.view(table).chunk_reader(layer.dtype)
     narrow = TIER_FORMATS[INT4][0]
     wide = layer.deferring and layer.config.chunked_prefill == "wait"
-    int4_bits = WAITING_BITS if wide else {KEY: narrow, VALUE: narrow}
+    group_len = {KEY: layer.config.chunk_size, VALUE: layer.value_group}  # codes per quantization group
+    int4_bits = {c: WAITING_BITS[c] if wide and kernels.holds_wide(group_len[c]) else narrow for c in (KEY, VALUE)}
     layer.set_chunks(*rebuild(table, layer.pools, new_k, new_v, read, layer.value_group, layer.meta_dtype, int4_bits))
     layer.counters.n_evicted += evicted.sum(1)

@@ -16,8 +16,8 @@ that CUDA tensors use; a CPU decode step of ``mixed_attention`` runs the fused C
 :mod:`.mixed_attention_cpu`, registered in the table as the op's CPU implementation.
 """
 
-from .mixed_attention import PackedCache, cached_tokens, gather_chunks, tier_formats
+from .mixed_attention import PackedCache, cached_tokens, gather_chunks, holds_wide, tier_formats
 from .ops import attend, call, dequantize, mixed_attention, quantize_pack
 
 __all__ = ["PackedCache", "attend", "cached_tokens", "call", "dequantize", "gather_chunks", "mixed_attention", "quantize_pack",
-           "tier_formats"]
+           "holds_wide", "tier_formats"]

@@ -54,6 +54,13 @@ def quantized_pool(pools: list[torch.Tensor], tier: int) -> tuple[torch.Tensor, 
     return pools[i], pools[i + 1], pools[i + 2]
 
 
+def holds_wide(group_len: int) -> bool:
+    """Whether groups of ``group_len`` codes at :data:`~hqekv.tiers.WIDE_BITS` take other word
+    counts than at 4 bits, so that :func:`tier_formats` can tell them apart (not for 4 codes
+    or fewer: one word either way)."""
+    return packed_words(group_len, WIDE_BITS) != packed_words(group_len, TIER_FORMATS[INT4][0])
+
+
 def tier_formats(pools: list[torch.Tensor]) -> dict[int, tuple[int, bool]]:
     """(bits, normalized) of each quantized tier of a component's pools (:data:`POOL_ORDER`):
     the tier's own (:data:`~hqekv.tiers.TIER_FORMATS`), but a 4-bit pool whose code words
@@ -63,7 +70,7 @@ def tier_formats(pools: list[torch.Tensor]) -> dict[int, tuple[int, bool]]:
     formats = dict(TIER_FORMATS)
     codes = quantized_pool(pools, INT4)[0]
     n = g if codes.dim() == 4 else d // codes.shape[3]
-    if codes.shape[-1] == packed_words(n, WIDE_BITS) != packed_words(n, TIER_FORMATS[INT4][0]):
+    if holds_wide(n) and codes.shape[-1] == packed_words(n, WIDE_BITS):
         formats[INT4] = (WIDE_BITS, TIER_FORMATS[INT4][1])
     return formats
 

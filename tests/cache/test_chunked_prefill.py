@@ -133,6 +133,28 @@ def test_a_deferred_prompt_keeps_its_waiting_keys_at_8_bits_until_settle(setting
     assert error < 0.5 * narrow, (error, narrow)
 
 
+def test_chunks_too_short_to_tell_8_bit_codes_from_4_bit_ones_wait_at_4_bits(monkeypatch):
+    """Groups of 4 codes or fewer take one word at 4 bits and at 8 (``kernels.holds_wide``):
+    with chunks of 4 tokens the waiting keys stay at 4 bits, and a chunked prompt's logits
+    are those of ``chunked_prefill="wait-4bit"``, bit for bit, not codes read at the wrong
+    width."""
+    assert not hqekv.kernels.holds_wide(4) and hqekv.kernels.holds_wide(8) and hqekv.kernels.holds_wide(32)
+    monkeypatch.setattr(rerank, "WAITING_RECENT", 16)  # the earlier chunks wait at the 4-bit tier
+    model = tiny_llama(layers=2)
+    ids = prompt(256, seed=3)
+    logits = {}
+    for mode in ("wait", "wait-4bit"):
+        hqekv.patch_model(model, ratios=MIXED, value_group=16, chunk_size=4, rerank_interval=32, chunked_prefill=mode)
+        for _, cache in in_pieces(model, ids[:, :-64], piece=64):
+            pass
+        assert {layer.pools[KEY].bits(INT4) for layer in cache.hqekv_layers} == {4}
+        assert any(int((layer.live_table().k_tier == INT4).sum()) > 0 for layer in cache.hqekv_layers)
+        with torch.no_grad():
+            logits[mode] = model(ids[:, -64:], cache=cache).logits
+        hqekv.unpatch_model(model)
+    assert torch.equal(logits["wait"], logits["wait-4bit"])
+
+
 def in_pieces(model, ids, piece=256, cache=None):
     """A cache that defers eviction (a new one unless ``cache`` is given), fed ``ids`` a piece
     at a time as a loop of one's own does: yields (start of the piece, the cache) after each
