@@ -56,13 +56,10 @@ def encode_chunks(
 
 
 def decode_chunks(
-    pool: QuantizedPool, tier: int, component: str, chunk_size: int, head_dim: int, value_group: int, dtype: torch.dtype,
-    bits: int | None = None,
+    pool: QuantizedPool, tier: int, component: str, chunk_size: int, head_dim: int, value_group: int, dtype: torch.dtype
 ) -> torch.Tensor:
-    """Unpack and dequantize: QuantizedPool at ``tier`` (``bits`` wide if given, else the
-    tier's own) -> (N, H, G, D) ``dtype`` (``hqekv::dequantize``)."""
-    default_bits, normalized = TIER_FORMATS[tier]
-    bits = bits or default_bits
+    """Unpack and dequantize: QuantizedPool at ``tier`` -> (N, H, G, D) ``dtype`` (``hqekv::dequantize``)."""
+    bits, normalized = TIER_FORMATS[tier]
     return kernels.call(
         kernels.dequantize, *pool.tensors(), bits, normalized, component == KEY, value_group, chunk_size, head_dim, dtype
     )
