@@ -4,7 +4,7 @@ against hqekv, one-shot and chunked (``prefill_chunk_size``), each case in a fre
     python benchmarks/peak_memory.py                       # the CPU cases below
     python benchmarks/peak_memory.py --cases llama3-8b-attn:32768 --chunks 2048 --bavg 2
     python benchmarks/peak_memory.py --cases llama3-8b-attn:32768 --chunks 2048 --bavg 2 --layers 8  # deeper
-    python benchmarks/peak_memory.py --cases llama3-8b-attn:32768 --chunks 2048 --bavg 2 2:evict  # both ways to chunk
+    python benchmarks/peak_memory.py --cases llama3-8b-attn:32768 --chunks 2048 --bavg 2 2:wait-4bit 2:evict  # the three rules
     python benchmarks/peak_memory.py --cases llama3-8b:32768 --dtype bfloat16 --out ...  # on a GPU
 
 A case is ``MODEL:TOKENS``. MODEL is a packaged model (``smollm2``, ``qwen2.5-coder``; the
@@ -83,14 +83,19 @@ def cache_bytes(cache) -> int:
 
 
 def patch_arguments(setting: str) -> dict:
-    """``patch_model`` arguments of an hqekv setting ``B[:auto][:evict]``: the budget, the
-    allocator (``ratios="auto"``) and ``chunked_prefill="evict"`` (default "wait")."""
+    """``patch_model`` arguments of an hqekv setting ``B[:auto][:RULE]``: the budget, the
+    allocator (``ratios="auto"``) and a ``chunked_prefill`` rule other than the default
+    "wait" (``evict``, ``wait-4bit``)."""
+    from hqekv.config import CHUNKED_PREFILL
+
     bavg, *options = setting.split(":")
-    unknown = set(options) - {"auto", "evict"}
-    if unknown:
-        raise ValueError(f"hqekv setting {setting!r}: unknown options {sorted(unknown)} (B[:auto][:evict])")
+    rules = [o for o in options if o in CHUNKED_PREFILL]
+    unknown = set(options) - {"auto", *CHUNKED_PREFILL}
+    if unknown or len(rules) > 1:
+        raise ValueError(f"hqekv setting {setting!r}: unknown or repeated options (B[:auto][:RULE], RULE one of "
+                         f"{', '.join(CHUNKED_PREFILL)})")
     return {"bavg": float(bavg), **({"ratios": "auto"} if "auto" in options else {}),
-            **({"chunked_prefill": "evict"} if "evict" in options else {})}  # fmt: skip
+            **({"chunked_prefill": rules[0]} if rules else {})}  # fmt: skip
 
 
 def run_one(spec: dict) -> dict:
@@ -158,7 +163,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", nargs="+", default=CPU_CASES, help="MODEL:TOKENS (default: %(default)s)")
     parser.add_argument("--chunks", type=int, nargs="+", default=[0, 512, 2048], help="prefill chunk sizes; 0 = one-shot")
-    parser.add_argument("--bavg", nargs="+", default=["2", "3.2"], help="hqekv settings: B, B:auto (ratios='auto'), B:evict (chunked_prefill='evict'), B:auto:evict")
+    parser.add_argument("--bavg", nargs="+", default=["2", "3.2"], help="hqekv settings: B, B:auto (ratios='auto'), B:evict or B:wait-4bit (chunked_prefill), B:auto:evict")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--dtype", help="model dtype (default: bfloat16 for random shapes, the packaged one otherwise)")
     parser.add_argument("--threads", type=int)
