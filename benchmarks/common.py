@@ -100,6 +100,22 @@ ROW = "ROW "
 """How a case run in a fresh process hands its figures back: one line of stdout, this then JSON."""
 
 
+def patch_arguments(setting: str) -> dict:
+    """``patch_model`` arguments of an hqekv setting ``B[:auto][:RULE]``: the budget, the
+    allocator (``ratios="auto"``) and a ``chunked_prefill`` rule other than the default
+    "wait" (``evict``, ``wait-4bit``)."""
+    from hqekv.config import CHUNKED_PREFILL
+
+    bavg, *options = setting.split(":")
+    rules = [o for o in options if o in CHUNKED_PREFILL]
+    unknown = set(options) - {"auto", *CHUNKED_PREFILL}
+    if unknown or len(rules) > 1:
+        raise ValueError(f"hqekv setting {setting!r}: unknown or repeated options (B[:auto][:RULE], RULE one of "
+                         f"{', '.join(CHUNKED_PREFILL)})")
+    return {"bavg": float(bavg), **({"ratios": "auto"} if "auto" in options else {}),
+            **({"chunked_prefill": rules[0]} if rules else {})}  # fmt: skip
+
+
 def print_row(row: dict) -> None:
     print(ROW + json.dumps(row), flush=True)
 

@@ -43,7 +43,7 @@ import sys
 import time
 
 import torch
-from common import RELEASE_FREED, PeakMeter, essay_ids, print_row, read_row, release_freed_env, save
+from common import RELEASE_FREED, PeakMeter, essay_ids, patch_arguments, print_row, read_row, release_freed_env, save
 
 SHAPES = {
     "llama3-8b-attn": dict(hidden_size=4096, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=32,
@@ -80,22 +80,6 @@ def cache_bytes(cache) -> int:
     from hqekv.eval import cache_memory
 
     return cache_memory(cache)["cache_bytes"]
-
-
-def patch_arguments(setting: str) -> dict:
-    """``patch_model`` arguments of an hqekv setting ``B[:auto][:RULE]``: the budget, the
-    allocator (``ratios="auto"``) and a ``chunked_prefill`` rule other than the default
-    "wait" (``evict``, ``wait-4bit``)."""
-    from hqekv.config import CHUNKED_PREFILL
-
-    bavg, *options = setting.split(":")
-    rules = [o for o in options if o in CHUNKED_PREFILL]
-    unknown = set(options) - {"auto", *CHUNKED_PREFILL}
-    if unknown or len(rules) > 1:
-        raise ValueError(f"hqekv setting {setting!r}: unknown or repeated options (B[:auto][:RULE], RULE one of "
-                         f"{', '.join(CHUNKED_PREFILL)})")
-    return {"bavg": float(bavg), **({"ratios": "auto"} if "auto" in options else {}),
-            **({"chunked_prefill": rules[0]} if rules else {})}  # fmt: skip
 
 
 def run_one(spec: dict) -> dict:
