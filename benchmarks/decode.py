@@ -66,7 +66,7 @@ def generate(model, ids, new_tokens, compiled=False):
 
 def loop(model, ids, new_tokens):
     """Decode tokens/s of a hand-written greedy loop of ``model(...)`` calls."""
-    _, _, decode_s, _ = greedy_generate(model, ids, new_tokens + 1)
+    _, _, decode_s, _, _ = greedy_generate(model, ids, new_tokens + 1)
     return new_tokens / decode_s
 
 

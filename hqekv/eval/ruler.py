@@ -24,7 +24,7 @@ import random
 import string
 
 from .. import texts
-from .tasks import Sample, Task, _timed, greedy_generate
+from .tasks import Sample, Task, _answered, _timed, greedy_generate
 
 NEEDLE_INTRO = (
     "Some special magic numbers are hidden within the following text. Make sure to memorize it. "
@@ -72,15 +72,15 @@ class RulerTask(Task):
             out.append(Sample(f"{self.name}-{i}", ids, answers, {"length": length, **meta}))
         return out
 
-    def run(self, model, tokenizer, sample, cache=None, prefill_chunk=None):
-        new, prefill_s, decode_s, cache = greedy_generate(
-            model, sample.input_ids, self.max_new_tokens, tokenizer.eos_token_id, cache, prefill_chunk
+    def run(self, model, tokenizer, sample, cache=None, prefill_chunk=None, reference=None):
+        new, prefill_s, decode_s, cache, answer_nll = greedy_generate(
+            model, sample.input_ids, self.max_new_tokens, tokenizer.eos_token_id, cache, prefill_chunk, reference
         )
         text = tokenizer.decode(new, skip_special_tokens=True).strip()
         hits = found(text, sample.answers)
         # agreement with fp16 compares what was found, not the wording around it
         record = {"prediction": text, "score": sum(hits) / len(hits), "found": hits}
-        return _timed(record, prefill_s, decode_s, len(new)), cache
+        return _timed(_answered(record, new, answer_nll), prefill_s, decode_s, len(new)), cache
 
 
 def _depths(rng: random.Random, n: int) -> list[float]:

@@ -10,7 +10,7 @@ from typing import Sequence
 import torch
 
 from .methods import Method, parse_method
-from .tasks import TASK_GROUPS, TASKS, expand_tasks, f1_score
+from .tasks import TASK_GROUPS, Reference, TASKS, expand_tasks, f1_score
 
 DEFAULT_METHODS = ("fp16", "kivi:2", "kivi:4", "evict:2", "hqekv:2", "hqekv:3.2")
 DEFAULT_TASKS = ("needle", "squad", "ppl")
@@ -126,7 +126,8 @@ def evaluate(
     for task_name in tasks:
         task = TASKS[task_name]
         mine = list(enumerate(task.samples(tokenizer, samples, list(lengths), seed)))[rank::world]
-        for method in methods:
+        answers = {}  # sample index -> fp16's answer (token ids), every other method's reference
+        for method in sorted(methods, key=lambda m: m.name != "fp16"):  # fp16 first: its answers are the references
             with method.applied(model, **settings) as config:
                 for index, sample in tqdm(mine, desc=f"{task_name} {method.name}", disable=not progress):
                     made = (done or {}).get((task_name, method.name, index))
@@ -135,8 +136,15 @@ def evaluate(
                             raise ValueError(f"the record of {task_name} sample {index} ({method.name}) was made "
                                              f"from sample {made['sample']}, not {sample.id}: it cannot be resumed")  # fmt: skip
                         records.append(made)
+                        if method.name == "fp16" and "tokens" in made:
+                            answers[index] = made["tokens"]
                         continue
-                    record, cache = task.run(model, tokenizer, sample, method.new_cache(model), prefill_chunk)
+                    reference = None
+                    if method.name == "fp16" or index in answers:
+                        reference = Reference(answers.get(index), lambda: method.new_cache(model))
+                    record, cache = task.run(model, tokenizer, sample, method.new_cache(model), prefill_chunk, reference)
+                    if method.name == "fp16" and "tokens" in record:
+                        answers[index] = record["tokens"]
                     record.update(cache_memory(cache))
                     del cache
                     record.update(
@@ -207,6 +215,11 @@ def summarize(records: list[dict], by_length: bool = False) -> list[dict]:
         }
         if task == "squad":
             row["em"] = _mean(r["em"] for r in rs)
+        # How far the method moves the uncompressed model's answer: the NLL of fp16's answer under it
+        # against under fp16, sample by sample (continuous, where agreement flips with one token).
+        answer_nll = [(r.get("answer_nll"), reference.get((task, r["index"]), {}).get("answer_nll")) for r in rs]
+        if all(a is not None and ref is not None for a, ref in answer_nll):
+            row["answer_nll_deviation_from_fp16"] = _mean(abs(a - ref) for a, ref in answer_nll)
         if task == "ppl":
             row["score"] = float(torch.tensor([r["nll"] for r in rs]).mean().exp())  # ppl of the pooled NLL
             # Fidelity to the uncompressed model, sample by sample: a perplexity below fp16's on one
@@ -298,15 +311,18 @@ def markdown_table(rows: list[dict]) -> str:
         lines += [
             f"### {task}{at}: {rs[0]['metric']} ({direction} is better)",
             "",
-            "| method | score | agreement with fp16 (ppl: mean abs ΔNLL) | cache MiB | effective bits | bavg | prefill s | decode tok/s | ratios |",
-            "|---|---|---|---|---|---|---|---|---|",
+            "| method | score | agreement with fp16 (ppl: mean abs ΔNLL) | fp16's answer: mean abs ΔNLL | cache MiB "
+            "| effective bits | bavg | prefill s | decode tok/s | ratios |",
+            "|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in rs:
             agree = r.get("agreement_with_fp16", r.get("nll_deviation_from_fp16"))
+            answer = r.get("answer_nll_deviation_from_fp16")
             digits = 4 if task == "ppl" else 2
             tps = r["decode_tokens_per_s"]
             lines.append(
                 f"| {r['method']} | {r['score']:.3f} | {'' if agree is None else f'{agree:.{digits}f}'} | "
+                f"{'' if answer is None else f'{answer:.4f}'} | "
                 f"{r['cache_bytes'] / 2**20:.2f} | {r['effective_bits']:.2f} | {r['bavg']:.2f} | "
                 f"{r['prefill_s']:.2f} | {'' if tps is None else f'{tps:.1f}'} | {r['ratios_source'] or 'dense cache'} |"
             )

@@ -10,11 +10,14 @@ for calibration (the first SQuAD articles) is never used here.
 from __future__ import annotations
 
 import collections
+import copy
 import math
 import random
 import re
+import statistics
 import string
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -69,34 +72,93 @@ def prefill(model, input_ids: torch.Tensor, cache=None, chunk: int | None = None
     return out
 
 
+@dataclass(frozen=True)
+class Reference:
+    """The answer whose NLL after the prompt a generating task records (``answer_nll``):
+    ``tokens``, fp16's answer (token ids), or None for the answer generated here (fp16's
+    own run). ``new_cache`` makes an empty cache of the method's kind (None: the model makes
+    its own): the answer is scored on a copy of the cache the prefill left, and a cache that
+    cannot be copied (transformers' quanto cache) is filled again from the prompt."""
+
+    tokens: list[int] | None = None
+    new_cache: Callable[[], object] = lambda: None
+
+
 def greedy_generate(
-    model, input_ids: torch.Tensor, max_new_tokens: int, eos_token_id=None, cache=None, prefill_chunk=None
-):
+    model, input_ids: torch.Tensor, max_new_tokens: int, eos_token_id=None, cache=None, prefill_chunk=None,
+    reference: Reference | None = None,
+):  # fmt: skip
     """Greedy decoding by hand, timing prefill and decode apart.
 
-    input_ids (1, N) -> (new token ids (T,), prefill seconds, decode seconds, cache).
+    input_ids (1, N) -> (new token ids (T,), prefill seconds, decode seconds, cache, answer NLL).
     Stops after ``max_new_tokens`` or at ``eos_token_id``. ``cache``: an empty cache to use
     (e.g. transformers' ``QuantizedCache``); by default the model makes its own.
     ``prefill_chunk``: feed the prompt in forwards of that many tokens (:func:`prefill`).
+    ``reference``: the answer whose mean per-token NLL after the prompt to return
+    (:class:`Reference`), its tokens fed one per forward as decoding feeds them, apart from
+    the decode (which it does not touch, nor its timing); None: none (the last element is None).
     """
     device = next(model.parameters()).device
+    input_ids = input_ids.to(device)
+    own = reference is not None and reference.tokens is None
     with torch.no_grad():
         _sync()
         start = time.perf_counter()
-        out = prefill(model, input_ids.to(device), cache, prefill_chunk)
+        out = prefill(model, input_ids, cache, prefill_chunk)
         _sync()
         prefill_s = time.perf_counter() - start
         cache = output_cache(out)
-        token = out.logits[:, -1:].argmax(-1)
-        tokens = [token]
+        first = out.logits[:, -1]
+        scored = None if reference is None or own else _copied(cache)
+        token = first.argmax(-1, keepdim=True)
+        tokens, own_nll = [token], [_token_nll(first, token)]
         start = time.perf_counter()
         while len(tokens) < max_new_tokens and not (eos_token_id is not None and int(token) == eos_token_id):
             out = model(token, cache=cache, use_cache=True)
             token = out.logits[:, -1:].argmax(-1)
             tokens.append(token)
+            if own:
+                own_nll.append(_token_nll(out.logits[:, -1], token))
         _sync()
         decode_s = time.perf_counter() - start
-    return torch.cat(tokens, 1)[0], prefill_s, decode_s, cache
+        answer_nll = None
+        if own:
+            answer_nll = statistics.fmean(own_nll)
+        elif reference is not None:
+            if scored is None:  # the cache cannot be copied: fill a new one from the prompt
+                out = prefill(model, input_ids, reference.new_cache(), prefill_chunk)
+                first, scored = out.logits[:, -1], output_cache(out)
+            answer_nll = teacher_forced_nll(model, first, scored, reference.tokens)
+    return torch.cat(tokens, 1)[0], prefill_s, decode_s, cache, answer_nll
+
+
+def _copied(cache):
+    """A copy of ``cache``, or None for one whose tensors cannot be copied (quanto's)."""
+    try:
+        return copy.deepcopy(cache)
+    except RuntimeError:
+        return None
+
+
+def _token_nll(logits: torch.Tensor, token: torch.Tensor) -> float:
+    """NLL of ``token`` (1, 1) under ``logits`` (1, V)."""
+    return float(torch.nn.functional.cross_entropy(logits.float(), token[:, 0]))
+
+
+def teacher_forced_nll(model, first_logits: torch.Tensor, cache, tokens) -> float:
+    """Mean per-token NLL of ``tokens`` (ids) after a prompt: ``first_logits`` (1, V), the
+    prompt's last logits, predict the first; each token then goes through the model into
+    ``cache`` (the prompt's, which it extends) one forward at a time, as in decoding."""
+    if len(tokens) == 0:
+        raise ValueError("the reference answer has no tokens to score")
+    device = first_logits.device
+    ids = torch.tensor([list(tokens)], device=device)
+    nll, logits = [], first_logits
+    for i in range(ids.shape[1]):
+        nll.append(_token_nll(logits, ids[:, i : i + 1]))
+        if i + 1 < ids.shape[1]:
+            logits = model(ids[:, i : i + 1], cache=cache, use_cache=True).logits[:, -1]
+    return statistics.fmean(nll)
 
 
 def continuation_nll(
@@ -174,9 +236,11 @@ class Task:
     def samples(self, tokenizer, n: int, lengths: list[int], seed: int) -> list[Sample]:
         raise NotImplementedError
 
-    def run(self, model, tokenizer, sample: Sample, cache=None, prefill_chunk=None) -> tuple[dict, object]:
+    def run(self, model, tokenizer, sample: Sample, cache=None, prefill_chunk=None, reference=None) -> tuple[dict, object]:
         """-> (per-sample record with ``score`` and timings, cache); ``cache``: an empty one to use;
-        ``prefill_chunk``: the prompt goes in forwards of that many tokens (:func:`prefill`)."""
+        ``prefill_chunk``: the prompt goes in forwards of that many tokens (:func:`prefill`);
+        ``reference``: for a generating task, the answer (:class:`Reference`) whose NLL after
+        the prompt the record keeps as ``answer_nll`` (:func:`greedy_generate`)."""
         raise NotImplementedError
 
 
@@ -196,13 +260,13 @@ class NeedleTask(Task):
             out.append(Sample(f"needle-{i}", ids, [key], {"length": length, "depth": depth}))
         return out
 
-    def run(self, model, tokenizer, sample, cache=None, prefill_chunk=None):
-        new, prefill_s, decode_s, cache = greedy_generate(
-            model, sample.input_ids, self.max_new_tokens, tokenizer.eos_token_id, cache, prefill_chunk
+    def run(self, model, tokenizer, sample, cache=None, prefill_chunk=None, reference=None):
+        new, prefill_s, decode_s, cache, answer_nll = greedy_generate(
+            model, sample.input_ids, self.max_new_tokens, tokenizer.eos_token_id, cache, prefill_chunk, reference
         )
         text = tokenizer.decode(new, skip_special_tokens=True)
         record = {"prediction": text, "score": float(sample.answers[0] in text)}
-        return _timed(record, prefill_s, decode_s, len(new)), cache
+        return _timed(_answered(record, new, answer_nll), prefill_s, decode_s, len(new)), cache
 
 
 class SquadTask(Task):
@@ -244,9 +308,9 @@ class SquadTask(Task):
             out.append(Sample(f"squad-{qa['id']}", ids, answers, {"length": length, "question": qa["question"]}))
         return out
 
-    def run(self, model, tokenizer, sample, cache=None, prefill_chunk=None):
-        new, prefill_s, decode_s, cache = greedy_generate(
-            model, sample.input_ids, self.max_new_tokens, tokenizer.eos_token_id, cache, prefill_chunk
+    def run(self, model, tokenizer, sample, cache=None, prefill_chunk=None, reference=None):
+        new, prefill_s, decode_s, cache, answer_nll = greedy_generate(
+            model, sample.input_ids, self.max_new_tokens, tokenizer.eos_token_id, cache, prefill_chunk, reference
         )
         text = first_line(tokenizer.decode(new, skip_special_tokens=True))
         record = {
@@ -254,7 +318,7 @@ class SquadTask(Task):
             "score": max(f1_score(text, a) for a in sample.answers),
             "em": max(exact_match(text, a) for a in sample.answers),
         }
-        return _timed(record, prefill_s, decode_s, len(new)), cache
+        return _timed(_answered(record, new, answer_nll), prefill_s, decode_s, len(new)), cache
 
 
 class PerplexityTask(Task):
@@ -284,13 +348,22 @@ class PerplexityTask(Task):
             out.append(Sample(f"ppl-{i}", ids[:, :length], [], {"length": length}, ids[:, length:]))
         return out
 
-    def run(self, model, tokenizer, sample, cache=None, prefill_chunk=None):
+    def run(self, model, tokenizer, sample, cache=None, prefill_chunk=None, reference=None):
         nll, prefill_s, seconds, cache = continuation_nll(
             model, sample.input_ids, sample.continuation, cache=cache, prefill_chunk=prefill_chunk
         )
         mean = float(nll.mean())
         record = {"nll": mean, "score": math.exp(mean)}
         return _timed(record, prefill_s, None, None), cache
+
+
+def _answered(record: dict, new: torch.Tensor, answer_nll: float | None) -> dict:
+    """``record`` with the generated token ids (``tokens``: the reference other methods'
+    answers are scored against) and, when one was scored, ``answer_nll``."""
+    record["tokens"] = new.tolist()
+    if answer_nll is not None:
+        record["answer_nll"] = answer_nll
+    return record
 
 
 def _timed(record: dict, prefill_s: float, decode_s: float | None, n_new: int | None) -> dict:

@@ -162,6 +162,67 @@ def test_fp16_and_all_fp16_hqekv_score_identically(run):
             assert r["prediction"] == ref["prediction"] and r["score"] == ref["score"]
 
 
+def test_generating_tasks_score_fp16s_answer_under_every_method(run):
+    """Each generating record keeps its tokens and the NLL of fp16's answer under its cache;
+    an all-FP16 hqekv cache holds what fp16's does (rounded to float16, where the fp16
+    method keeps the float32 model's values), so its answer NLL is fp16's to that rounding."""
+    by = {(r["task"], r["method"], r["index"]): r for r in run}
+    rows = {(r["task"], r["method"]): r for r in summarize(run)}
+    for (task, method, index), r in by.items():
+        if task == "ppl":
+            assert "answer_nll" not in r and "answer_nll_deviation_from_fp16" not in rows[(task, method)]
+            continue
+        assert r["tokens"] and math.isfinite(r["answer_nll"]) and r["answer_nll"] >= 0
+        if method == "hqekv:16":
+            assert r["answer_nll"] == pytest.approx(by[(task, "fp16", index)]["answer_nll"], abs=1e-3)
+        assert rows[(task, method)]["answer_nll_deviation_from_fp16"] >= 0
+    assert all(rows[(t, "fp16")]["answer_nll_deviation_from_fp16"] == 0 for t in ("needle", "squad"))
+    assert any(rows[(t, "kivi:2")]["answer_nll_deviation_from_fp16"] > 0 for t in ("needle", "squad"))
+
+
+def test_answer_nll_is_the_nll_of_a_forward_over_prompt_and_answer(tiny, monkeypatch):
+    """Teacher-forced token by token on a copy of the prefill's cache, the reference answer's
+    NLL is that of one forward over prompt and answer; the generation beside it is untouched,
+    and a run's own answer (``Reference()``) scores as that answer given as the reference."""
+    import torch
+
+    from hqekv.eval.tasks import Reference, greedy_generate
+
+    from ..helpers import prompt
+
+    ids, answer = prompt(50, seed=1), [5, 17, 99, 3]
+    with torch.no_grad():
+        logits = tiny(torch.cat([ids, torch.tensor([answer])], 1)).logits[0, ids.shape[1] - 1 : -1].float()
+    expected = float(torch.nn.functional.cross_entropy(logits, torch.tensor(answer)))
+    plain = greedy_generate(tiny, ids, 6)
+    new, _, _, _, nll = greedy_generate(tiny, ids, 6, reference=Reference(answer))
+    assert nll == pytest.approx(expected, rel=1e-5) and plain[4] is None
+    assert torch.equal(new, plain[0])
+    own = greedy_generate(tiny, ids, 6, reference=Reference())
+    assert torch.equal(own[0], plain[0])
+    assert own[4] == pytest.approx(greedy_generate(tiny, ids, 6, reference=Reference(plain[0].tolist()))[4], rel=1e-5)
+    with pytest.raises(ValueError, match="no tokens"):
+        greedy_generate(tiny, ids, 2, reference=Reference([]))
+    # a cache that cannot be copied (quanto's) is filled again from the prompt to score the answer
+    monkeypatch.setattr("hqekv.eval.tasks._copied", lambda cache: None)
+    new, _, _, _, nll = greedy_generate(tiny, ids, 6, reference=Reference(answer))
+    assert nll == pytest.approx(expected, rel=1e-5) and torch.equal(new, plain[0])
+
+
+def test_answer_nll_rows_need_fp16s_answer():
+    def record(method, index, answer_nll):
+        return {"task": "squad", "method": method, "index": index, "prediction": "a", "score": 1.0, "em": 1.0,
+                "cache_bytes": 1, "effective_bits": 3.0, "bavg": 2.0, "prefill_s": 1.0, "ratios_source": None,
+                "ratios": None, **({} if answer_nll is None else {"answer_nll": answer_nll})}  # fmt: skip
+
+    records = [record("fp16", 0, 0.5), record("fp16", 1, 0.2), record("m", 0, 0.7), record("m", 1, 0.1)]
+    rows = {r["method"]: r for r in summarize(records)}
+    assert rows["m"]["answer_nll_deviation_from_fp16"] == pytest.approx(0.15)
+    assert rows["fp16"]["answer_nll_deviation_from_fp16"] == 0.0
+    old = [record("fp16", 0, None)] + records[2:3]  # an fp16 record made before answers were scored
+    assert "answer_nll_deviation_from_fp16" not in summarize(old)[1]
+
+
 def test_random_control_has_the_tier_counts_of_hqekv(run):
     """random:B keeps hqekv:B's ratios; before any re-rank (a needle answer at 384 tokens) its
     bytes too. Re-ranks during a continuation may then move different chunks down."""
@@ -334,7 +395,7 @@ def dying_eval(tmp_path, monkeypatch):
             return [Sample(f"s{i}", torch.randint(1, 128, (1, 40), generator=torch.Generator().manual_seed(i)), ["x"])
                     for i in range(n)]  # fmt: skip
 
-        def run(self, model, tokenizer, sample, cache=None, prefill_chunk=None):
+        def run(self, model, tokenizer, sample, cache=None, prefill_chunk=None, reference=None):
             if sample.id in dies:
                 raise RuntimeError("died")
             runs.append(sample.id)
