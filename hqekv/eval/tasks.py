@@ -111,7 +111,7 @@ def greedy_generate(
         first = out.logits[:, -1]
         scored = None if reference is None or own else _copied(cache)
         token = first.argmax(-1, keepdim=True)
-        tokens, own_nll = [token], [_token_nll(first, token)]
+        tokens, own_nll = [token], [_token_nll(first, token)] if own else []
         start = time.perf_counter()
         while len(tokens) < max_new_tokens and not (eos_token_id is not None and int(token) == eos_token_id):
             out = model(token, cache=cache, use_cache=True)
