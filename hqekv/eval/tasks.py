@@ -147,18 +147,25 @@ def _token_nll(logits: torch.Tensor, token: torch.Tensor) -> float:
 
 def teacher_forced_nll(model, first_logits: torch.Tensor, cache, tokens) -> float:
     """Mean per-token NLL of ``tokens`` (ids) after a prompt: ``first_logits`` (1, V), the
-    prompt's last logits, predict the first; each token then goes through the model into
-    ``cache`` (the prompt's, which it extends) one forward at a time, as in decoding."""
+    prompt's last logits, predict the first; the tokens then go through the model into
+    ``cache`` (the prompt's, which they extend) one forward at a time, as in decoding."""
     if len(tokens) == 0:
         raise ValueError("the reference answer has no tokens to score")
-    device = first_logits.device
-    ids = torch.tensor([list(tokens)], device=device)
-    nll, logits = [], first_logits
-    for i in range(ids.shape[1]):
-        nll.append(_token_nll(logits, ids[:, i : i + 1]))
-        if i + 1 < ids.shape[1]:
-            logits = model(ids[:, i : i + 1], cache=cache, use_cache=True).logits[:, -1]
-    return statistics.fmean(nll)
+    ids = torch.tensor([list(tokens)], device=first_logits.device)
+    return float(nll_after(model, first_logits, cache, ids, step=1).mean())
+
+
+def nll_after(model, last: torch.Tensor, cache, continuation: torch.Tensor, step: int) -> torch.Tensor:
+    """Per-token NLL (L,) float32 of ``continuation`` (1, L) fed into ``cache`` in
+    ``step``-token forwards, ``last`` (1, V) the logits before it (predicting its first token)."""
+    nll = []
+    for i in range(0, continuation.shape[1], step):
+        piece = continuation[:, i : i + step]
+        step_logits = model(piece, cache=cache, use_cache=True).logits
+        logits = torch.cat([last[:, None], step_logits[:, :-1]], 1)
+        nll.append(torch.nn.functional.cross_entropy(logits[0].float(), piece[0], reduction="none"))
+        last = step_logits[:, -1]
+    return torch.cat(nll)
 
 
 def continuation_nll(
@@ -172,7 +179,6 @@ def continuation_nll(
     """
     device = next(model.parameters()).device
     context, continuation = context.to(device), continuation.to(device)
-    nll = []
     with torch.no_grad():
         _sync()
         start = time.perf_counter()
@@ -182,15 +188,10 @@ def continuation_nll(
         cache = output_cache(out)
         last = out.logits[:, -1]  # predicts the first continuation token
         start = time.perf_counter()
-        for i in range(0, continuation.shape[1], step):
-            piece = continuation[:, i : i + step]
-            step_logits = model(piece, cache=cache, use_cache=True).logits
-            logits = torch.cat([last[:, None], step_logits[:, :-1]], 1)
-            nll.append(torch.nn.functional.cross_entropy(logits[0].float(), piece[0], reduction="none"))
-            last = step_logits[:, -1]
+        nll = nll_after(model, last, cache, continuation, step)
         _sync()
         seconds = time.perf_counter() - start
-    return torch.cat(nll), prefill_s, seconds, cache
+    return nll, prefill_s, seconds, cache
 
 
 # --- SQuAD answer scoring (the official normalization) -----------------------------------------
