@@ -14,10 +14,12 @@ prompt arrives in pieces (``hqekv.cache.rerank.WAITING_BITS``).
 
 The keys of every layer after one forward over the essays (post-RoPE, as the cache holds
 them), grouped as the cache groups them (per channel over chunks of 32 tokens), are
-quantized at 4 and 8 bits under each metadata dtype, by the library's quantizer and by a
-*covering* rounding (``zero`` rounded down, ``scale`` up, so that no code is clamped), and
-the relative RMS error (against each layer's key variance) and the largest error are
-reported per layer and over all layers.
+quantized at 4 and 8 bits under each metadata dtype with the pair rounded to nearest (SPEC
+§1.1), with a *covering* pair (``zero`` rounded down, ``scale`` up where nearest rounding
+would clamp a code) and by the library's quantizer (covering from
+``hqekv.quantization.COVERING_BITS`` up, nearest below), and the relative RMS error
+(against the layer's key variance) and the largest error are reported per layer and over
+all layers.
 """
 
 from __future__ import annotations
@@ -27,26 +29,34 @@ import argparse
 import torch
 from common import essay_ids, save
 
-from hqekv.quantization import key_groups, quantize_uniform
+from hqekv.quantization import EPS, key_groups, next_down, next_up, quantize_uniform
 
 WIDTHS = (4, 8)
 META = (torch.float16, torch.bfloat16)
 
 
-def covering(x: torch.Tensor, bits: int, meta: torch.dtype) -> torch.Tensor:
-    """Dequantized ``x`` (..., n) under uniform codes whose stored zero is at most the group's
-    minimum and whose stored top is at least its maximum (no code clamped)."""
-    lo, hi = x.amin(-1), x.amax(-1)
-    levels = 2**bits - 1
-    zero = lo.to(meta)
-    below = torch.nextafter(zero, torch.full_like(zero, -float("inf")))
-    zero = torch.where(zero.float() > lo, below, zero)
-    scale = ((hi - zero.float()) / levels).to(meta)
-    above = torch.nextafter(scale, torch.full_like(scale, float("inf")))
-    scale = torch.where(zero.float() + scale.float() * levels < hi, above, scale)
-    step = scale.float().clamp(min=1e-12)[..., None]
-    codes = torch.round((x - zero.float()[..., None]) / step).clamp(0, levels)
+def decoded(x: torch.Tensor, bits: int, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """``x`` (..., n) coded against the stored ``scale``, ``zero`` (...,) and decoded."""
+    step = scale.float().clamp(min=EPS)[..., None]
+    codes = torch.round((x - zero.float()[..., None]) / step).clamp(0, 2**bits - 1)
     return codes * scale.float()[..., None] + zero.float()[..., None]
+
+
+def nearest(x: torch.Tensor, bits: int, meta: torch.dtype) -> torch.Tensor:
+    """SPEC §1.1's pair: the minimum and the range over the levels, each rounded to nearest."""
+    lo, hi = x.amin(-1), x.amax(-1)
+    return decoded(x, bits, ((hi - lo) / (2**bits - 1)).to(meta), lo.to(meta))
+
+
+def covering(x: torch.Tensor, bits: int, meta: torch.dtype) -> torch.Tensor:
+    """A pair whose stored zero is at most the group's minimum and whose stored top is at
+    least its maximum (no code clamped)."""
+    lo, hi = x.amin(-1), x.amax(-1)
+    zero = lo.to(meta)
+    zero = torch.where(zero.float() > lo, next_down(zero), zero)
+    needed = (hi - zero.float()) / (2**bits - 1)
+    scale = needed.to(meta)
+    return decoded(x, bits, torch.where(scale.float() < needed, next_up(scale), scale), zero)
 
 
 def library(x: torch.Tensor, bits: int, meta: torch.dtype) -> torch.Tensor:
@@ -61,7 +71,7 @@ def errors(keys: torch.Tensor, chunk: int) -> dict:
     out = {}
     for bits in WIDTHS:
         for meta in META:
-            for name, fn in (("library", library), ("covering", covering)):
+            for name, fn in (("nearest", nearest), ("covering", covering), ("library", library)):
                 err = fn(x, bits, meta) - x
                 out[f"{bits}-bit, {str(meta)[6:]}, {name}"] = {
                     "relative_rms": float(err.square().mean().sqrt() / x.std()),
@@ -95,19 +105,14 @@ def main() -> None:
     for case in layers[0]:
         sq = sum(layer[case]["sq_sum"] for layer in layers)
         var = sum(layer[case]["var_sum"] for layer in layers)
+        twin = case.rsplit(", ", 1)[0] + ", covering"
         overall[case] = {"relative_rms": (sq / var) ** 0.5, "max_abs": max(layer[case]["max_abs"] for layer in layers),
-                         "worst_layer_rms_ratio_to_covering": None}  # fmt: skip
-    for case in overall:
-        if case.endswith("library"):
-            twin = case.replace("library", "covering")
-            overall[case]["worst_layer_rms_ratio_to_covering"] = max(
-                layer[case]["relative_rms"] / layer[twin]["relative_rms"] for layer in layers
-            )
+                         "worst_layer_rms_ratio_to_covering": max(layer[case]["relative_rms"] / layer[twin]["relative_rms"]
+                                                                  for layer in layers)}  # fmt: skip
     print(f"{model_id}, {args.tokens} tokens, keys per channel over {args.chunk} tokens, {len(layers)} layers")
     print(f"{'case':34s} {'rel. RMS':>10s} {'max abs':>9s} {'worst layer / covering':>24s}")
     for case, row in overall.items():
-        ratio = row["worst_layer_rms_ratio_to_covering"]
-        print(f"{case:34s} {row['relative_rms']:10.2e} {row['max_abs']:9.3f} {'' if ratio is None else f'{ratio:24.2f}'}")
+        print(f"{case:34s} {row['relative_rms']:10.2e} {row['max_abs']:9.3f} {row['worst_layer_rms_ratio_to_covering']:24.2f}")
     for layer in layers:
         for row in layer.values():
             del row["sq_sum"], row["var_sum"]
