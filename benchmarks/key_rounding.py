@@ -16,8 +16,8 @@ The keys of every layer after one forward over the essays (post-RoPE, as the cac
 them), grouped as the cache groups them (per channel over chunks of 32 tokens), are
 quantized at 4 and 8 bits under each metadata dtype with the pair rounded to nearest (SPEC
 §1.1), with a *covering* pair (``zero`` rounded down, ``scale`` up where nearest rounding
-would clamp a code) and by the library's quantizer (covering from
-``hqekv.quantization.COVERING_BITS`` up, nearest below), and the relative RMS error
+would clamp a code) and by the library's quantizer (``hqekv.quantization.quantize_uniform``,
+the nearest pair), and the relative RMS error
 (against the layer's key variance) and the largest error are reported per layer and over
 all layers.
 """
@@ -29,7 +29,7 @@ import argparse
 import torch
 from common import essay_ids, save
 
-from hqekv.quantization import EPS, key_groups, next_down, next_up, quantize_uniform
+from hqekv.quantization import EPS, key_groups, quantize_uniform
 
 WIDTHS = (4, 8)
 META = (torch.float16, torch.bfloat16)
@@ -53,10 +53,11 @@ def covering(x: torch.Tensor, bits: int, meta: torch.dtype) -> torch.Tensor:
     least its maximum (no code clamped)."""
     lo, hi = x.amin(-1), x.amax(-1)
     zero = lo.to(meta)
-    zero = torch.where(zero.float() > lo, next_down(zero), zero)
+    zero = torch.where(zero.float() > lo, torch.nextafter(zero, torch.full_like(zero, -float("inf"))), zero)
     needed = (hi - zero.float()) / (2**bits - 1)
     scale = needed.to(meta)
-    return decoded(x, bits, torch.where(scale.float() < needed, next_up(scale), scale), zero)
+    above = torch.nextafter(scale, torch.full_like(scale, float("inf")))
+    return decoded(x, bits, torch.where(scale.float() < needed, above, scale), zero)
 
 
 def library(x: torch.Tensor, bits: int, meta: torch.dtype) -> torch.Tensor:

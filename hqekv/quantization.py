@@ -26,26 +26,13 @@ UNIFORM = "uniform"
 NORMALIZED = "normalized"
 
 
-COVERING_BITS = 8
-"""From this width up, a uniform group's stored pair covers it: ``zero`` is rounded down and
-``scale`` up to the metadata dtype where rounding to nearest would leave the group's minimum
-below ``zero`` or its maximum above ``zero + levels * scale``. Rounded to nearest, the codes
-at that end are clamped and err by the metadata's rounding rather than half a step: under
-bf16 metadata (8 significant bits) that is more than an 8-bit step wherever a channel's
-offset is large against its spread (a real model's 8-bit keys erred twice as far at their
-worst, 1.8 times in RMS in Qwen2.5-Coder's first layer: ``benchmarks/key_rounding.py``).
-Below this width the step dwarfs the rounding and the pair is SPEC §1.1's, to the bit."""
-
-
 def quantize_uniform(
     x: torch.Tensor, bits: int, meta_dtype: torch.dtype | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Uniform asymmetric quantization of each group on the last axis.
 
     x (..., n) float -> codes (..., n) uint8 in [0, 2**bits), scale (...,), zero (...,) meta_dtype.
-    ``zero = min``, ``scale = (max - min) / (2**bits - 1)``, ``code = round((x - zero) / scale)``;
-    from :data:`COVERING_BITS` up, ``zero`` at most the minimum and ``scale`` at least
-    ``(max - zero) / (2**bits - 1)`` as stored.
+    ``zero = min``, ``scale = (max - min) / (2**bits - 1)``, ``code = round((x - zero) / scale)``.
     """
     meta_dtype = meta_dtype or x.dtype
     xf = x.float()
@@ -53,35 +40,12 @@ def quantize_uniform(
     hi = xf.amax(dim=-1)
     levels = 2**bits - 1
     zero = lo.to(meta_dtype)
-    if bits >= COVERING_BITS:
-        zero = torch.where(zero.float() > lo, next_down(zero), zero)
-        needed = (hi - zero.float()) / levels
-        scale = needed.to(meta_dtype)
-        scale = torch.where(scale.float() < needed, next_up(scale), scale)
-    else:
-        scale = ((hi - lo) / levels).to(meta_dtype)
+    scale = ((hi - lo) / levels).to(meta_dtype)
     # fix: divide by a guarded scale; a constant group stores scale 0 and decodes to `zero` exactly.
     denom = scale.float().clamp(min=EPS)
     codes = torch.round((xf - zero.float().unsqueeze(-1)) / denom.unsqueeze(-1))
     codes = codes.clamp_(0, levels).to(torch.uint8)
     return codes, scale, zero
-
-
-_SAME_WIDTH_INT = {2: torch.int16, 4: torch.int32}
-
-
-def next_down(m: torch.Tensor) -> torch.Tensor:
-    """The representable value of ``m``'s float dtype just below each element, by its bits
-    (sign and magnitude; +0 goes to the smallest negative subnormal), as the Triton
-    quantizer computes it (``torch.nextafter`` does not take every dtype on every device)."""
-    b = m.view(_SAME_WIDTH_INT[m.element_size()])
-    sign_one = -(2 ** (8 * m.element_size() - 1)) + 1  # the bits of the smallest negative subnormal
-    return torch.where(b > 0, b - 1, torch.where(b == 0, torch.full_like(b, sign_one), b + 1)).view(m.dtype)
-
-
-def next_up(m: torch.Tensor) -> torch.Tensor:
-    """The representable value of ``m``'s float dtype just above each element of ``m`` >= +0."""
-    return (m.view(_SAME_WIDTH_INT[m.element_size()]) + 1).view(m.dtype)
 
 
 def dequantize_uniform(

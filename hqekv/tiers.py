@@ -44,7 +44,7 @@ TIER_FORMATS = {t: (TIERS[t].code_bits, TIERS[t].normalized) for t in QUANTIZED_
 
 WIDE_BITS = 8
 """The 4-bit tier's pools may hold codes of ``WIDE_BITS`` bits instead (uniform, the same
-metadata, its pair covering each group: :data:`hqekv.quantization.COVERING_BITS`): while a prompt arrives in pieces, the chunks of a component waiting there are
+metadata): while a prompt arrives in pieces, the chunks of a component waiting there are
 stored that wide (:data:`hqekv.cache.rerank.WAITING_BITS`) and narrowed at its end. A pool's
 code words say which (:func:`hqekv.kernels.tier_formats`)."""
 

@@ -55,19 +55,6 @@ if HAVE_TRITON:
         return tl.where(f > 0.5, r + 1.0, tl.where(f == 0.5, r + odd, r))
 
     @triton.jit
-    def next_representable(m, UP: tl.constexpr, BYTES: tl.constexpr):
-        """The value of ``m``'s float dtype (``BYTES`` wide) just above (``UP``, for ``m`` >= +0)
-        or just below each element, by its bits: ``quantization.next_up`` / ``next_down``."""
-        ity: tl.constexpr = tl.int16 if BYTES == 2 else tl.int32
-        b = m.to(ity, bitcast=True)
-        if UP:
-            b = b + 1
-        else:
-            sign_one = tl.full(b.shape, -(2 ** (8 * BYTES - 1)) + 1, ity)
-            b = tl.where(b > 0, b - 1, tl.where(b == 0, sign_one, b + 1))
-        return b.to(m.dtype, bitcast=True)
-
-    @triton.jit
     def cast_rne(x, meta_ty: tl.constexpr, BF16: tl.constexpr):
         """Round fp32/fp64 ``x`` to ``meta_ty`` as torch does (bf16: via fp32, to nearest even).
 

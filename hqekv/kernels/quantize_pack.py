@@ -16,11 +16,11 @@ from __future__ import annotations
 import torch
 
 from ..packing import pack_codes, packed_words
-from ..quantization import COVERING_BITS, EPS, NORMALIZED, UNIFORM, key_groups, normal_tables, quantize, value_groups
+from ..quantization import EPS, NORMALIZED, UNIFORM, key_groups, normal_tables, quantize, value_groups
 from ._triton import EXACT_DIV, HAVE_TRITON, next_power_of_2, require_triton
 
 if HAVE_TRITON:
-    from ._triton import cast_rne, div_ieee, next_representable, round_half_even, tl, triton
+    from ._triton import div_ieee, round_half_even, tl, cast_rne, triton
 
 
 def packed_shapes(shape, bits: int, per_channel: bool, group: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -77,7 +77,7 @@ if HAVE_TRITON:
         sm0, sm1, sm2, smr,
         # compile-time
         BITS: tl.constexpr, NORMALIZED: tl.constexpr, EPS_: tl.constexpr, EXACT: tl.constexpr, META_BF16: tl.constexpr,
-        META_BYTES: tl.constexpr, COVERING: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr,
+        BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr,
     ):  # fmt: skip
         """Quantize R groups of E elements and pack each group's codes into int32 words, LSB first."""
         # 1. program -> base offsets
@@ -111,14 +111,8 @@ if HAVE_TRITON:
             lo = tl.where(row_ok, tl.min(tl.where(valid, x, float("inf")), 1), 0.0)
             hi = tl.where(row_ok, tl.max(tl.where(valid, x, -float("inf")), 1), 0.0)
             levels = tl.full(lo.shape, 2**BITS - 1, tl.float32)
+            m0 = cast_rne(div_ieee(hi - lo, levels, EXACT), meta_ty, META_BF16)  # scale
             m1 = cast_rne(lo, meta_ty, META_BF16)  # zero
-            if BITS >= COVERING:  # the stored pair covers the group (quantization.COVERING_BITS)
-                m1 = tl.where(m1.to(tl.float32) > lo, next_representable(m1, False, META_BYTES), m1)
-                needed = div_ieee(hi - m1.to(tl.float32), levels, EXACT)
-                m0 = cast_rne(needed, meta_ty, META_BF16)  # scale
-                m0 = tl.where(m0.to(tl.float32) < needed, next_representable(m0, True, META_BYTES), m0)
-            else:
-                m0 = cast_rne(div_ieee(hi - lo, levels, EXACT), meta_ty, META_BF16)  # scale
             denom = tl.maximum(m0.to(tl.float32), EPS_)
             q = round_half_even(div_ieee(x - m1.to(tl.float32)[:, None], tl.broadcast_to(denom[:, None], x.shape), EXACT))
             codes = tl.minimum(tl.maximum(q, 0.0), 2**BITS - 1).to(tl.int32)
@@ -174,6 +168,6 @@ def quantize_pack_triton(
         n1, n2, rows, elems, total,
         *x_strides, *c_strides, *m_strides,
         BITS=bits, NORMALIZED=normalized, EPS_=EPS, EXACT=EXACT_DIV, META_BF16=meta_dtype == torch.bfloat16,
-        META_BYTES=m0.element_size(), COVERING=COVERING_BITS, BLOCK_R=next_power_of_2(rows), BLOCK_E=block_e,
+        BLOCK_R=next_power_of_2(rows), BLOCK_E=block_e,
     )  # fmt: skip
     return codes, m0, m1

@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from hqekv import kernels, quantization
+from hqekv import kernels
 from hqekv.kernels._triton import HAVE_TRITON
 from hqekv.kernels.dequantize import dequantize_reference, dequantize_triton
 from hqekv.kernels import mixed_attention_cpu as cpu_kernel
@@ -70,35 +70,6 @@ def test_quantize_pack_kernel_equals_reference(shape, dtype, bits, normalized, p
     for name, e, g in zip(("codes", "meta0", "meta1"), expected, got):
         assert g.shape == e.shape and g.dtype == e.dtype, name
         torch.testing.assert_close(g.cpu(), e, atol=0, rtol=0, msg=lambda m: f"{name}: {m}")
-
-
-@pytest.mark.parametrize("shape", CHUNK_SHAPES[:2])
-@pytest.mark.parametrize(
-    "dtype, meta",
-    [(torch.float32, torch.float16), (torch.float32, torch.bfloat16), (torch.float16, torch.float16),
-     (torch.bfloat16, torch.bfloat16)],
-    ids=["fp32-fp16", "fp32-bf16", "fp16", "bf16"],
-)  # fmt: skip
-@pytest.mark.parametrize("offset", [0.0, 100.0], ids=["centred", "offset"])
-@pytest.mark.parametrize("per_channel", [True, False], ids=["keys", "values"])
-def test_8_bit_codes_of_the_kernel_equal_the_reference_s_covering_pair(shape, dtype, meta, offset, per_channel,
-                                                                       monkeypatch):  # fmt: skip
-    """The 8-bit codes a prompt's waiting keys take: the kernel rounds ``zero`` down and
-    ``scale`` up where the reference does (``quantization.COVERING_BITS``), bit for bit, on
-    groups whose offset is large against their spread and on centred ones. Where the input
-    has finer steps than the metadata, the offset groups' covering pair is not the nearest
-    one, so a kernel without it would differ."""
-    x = (chunks_for(shape, torch.float32) + offset).to(dtype)
-    args = (8, False, per_channel, 32, meta)
-    expected = quantize_pack_reference(x.cpu(), *args)
-    got = quantize_pack_triton(x, *args)
-    for name, e, g in zip(("codes", "meta0", "meta1"), expected, got):
-        assert g.shape == e.shape and g.dtype == e.dtype, name
-        torch.testing.assert_close(g.cpu(), e, atol=0, rtol=0, msg=lambda m: f"{name}: {m}")
-    if offset and dtype == torch.float32:
-        monkeypatch.setattr(quantization, "COVERING_BITS", 9)  # the nearest pair, SPEC §1.1's
-        nearest = quantize_pack_reference(x.cpu(), *args)
-        assert not all(torch.equal(e, n) for e, n in zip(expected, nearest))
 
 
 @pytest.mark.parametrize("shape", CHUNK_SHAPES)
