@@ -10,9 +10,19 @@ its 128-token continuation goes in 32-token forwards (the cache re-ranks between
 the continuation's next-token distributions are compared with the uncompressed model's:
 mean KL and mean per-segment |ΔNLL|, with the cache's real bytes (effective bits per element)
 and the tier counts it ended with. Methods as ``hqekv eval`` names them.
+
+``--layer-weight residual`` (or ``residual-sqrt``) is an ablation of how the allocator shares
+the model's budget between layers (``hqekv.allocation.share``): each layer's distortions,
+relative to its window output energy, are further weighed by ρ (or √ρ), where ρ is what the
+layer's attention adds to the residual stream against the stream itself, ‖a‖² / ‖h‖² over the
+window's last 20 tokens (hooks on the decoder layers of a Llama-style model: ``a`` is
+``self_attn``'s output). An output error then counts by how far it moves the stream it is
+added to. Tried, not kept: docs/results.md, "Layers weighed by what their attention adds".
 """
 
 import argparse
+import contextlib
+import dataclasses
 import time
 import warnings
 
@@ -36,6 +46,57 @@ def continuation_logprobs(model, context, continuation, step=32):
     return torch.cat(rows)[: continuation.shape[1]], cache
 
 
+WINDOW = 20
+
+
+@contextlib.contextmanager
+def residual_layer_weight(model, power: float):
+    """Share the budget with each layer's distortions weighed by ρ**power (module docstring)."""
+    from hqekv import allocation
+    from hqekv.cache.model_cache import HqeKVCache
+
+    stream, rho, order = {}, {}, []
+
+    def before(i):
+        def hook(module, args, kwargs):
+            h = kwargs.get("hidden_states", args[0] if args else None)
+            stream[i] = h[:, -WINDOW:].float().pow(2).sum((-1, -2))
+        return hook
+
+    def after(i):
+        def hook(module, args, out):
+            a = out[0] if isinstance(out, tuple) else out
+            rho[i] = a[:, -WINDOW:].float().pow(2).sum((-1, -2)) / stream[i].clamp(min=1e-30)
+        return hook
+
+    handles = []
+    for i, layer in enumerate(model.model.layers):
+        handles.append(layer.register_forward_pre_hook(before(i), with_kwargs=True))
+        handles.append(layer.self_attn.register_forward_hook(after(i)))
+    share, share_budget = allocation.share, HqeKVCache.share_budget
+
+    def weighed_share(layers, bytes_k, bytes_v, floor=None):
+        if len(layers) == len(order) > 1:  # the model's budget, not one layer's own
+            layers = [dataclasses.replace(x, energy=x.energy / r.to(x.energy).clamp(min=1e-12) ** power)
+                      for x, r in zip(layers, order)]  # fmt: skip
+        return share(layers, bytes_k, bytes_v, floor)
+
+    def ordered_share_budget(cache):
+        order[:] = [rho[x.layer_idx] for x in cache.hqekv_layers if x.is_initialized and x.pending is not None]
+        try:
+            share_budget(cache)
+        finally:
+            order.clear()
+
+    allocation.share, HqeKVCache.share_budget = weighed_share, ordered_share_budget
+    try:
+        yield
+    finally:
+        allocation.share, HqeKVCache.share_budget = share, share_budget
+        for h in handles:
+            h.remove()
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="smollm2")
@@ -43,6 +104,8 @@ def main():
     parser.add_argument("--segments", type=int, default=2)
     parser.add_argument("--methods", nargs="+", default=["hqekv:2", "fallback:2", "auto:2", "auto:2.5"])
     parser.add_argument("--out", default="allocation")
+    parser.add_argument("--layer-weight", choices=["energy", "residual", "residual-sqrt"], default="energy",
+                        help="how the shared budget weighs each layer (an ablation; module docstring)")
     args = parser.parse_args()
     model, tokenizer, _ = load_model(args.model)
     text = calibration_text(tokenizer, args.context, 128, args.segments)
@@ -63,7 +126,9 @@ def main():
         kl, dnll, bits, seconds, chunks = [], [], [], [], {}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            with method.applied(model) as config, torch.no_grad():
+            power = {"energy": None, "residual": 1.0, "residual-sqrt": 0.5}[args.layer_weight]
+            weight = residual_layer_weight(model, power) if power else contextlib.nullcontext()
+            with weight, method.applied(model) as config, torch.no_grad():
                 for s in range(args.segments):
                     start = time.perf_counter()
                     logp, cache = continuation_logprobs(model, text.context[s : s + 1], text.continuation[s : s + 1])
@@ -87,7 +152,7 @@ def main():
         print(f"{spec:>14}: KL {r['kl']:.4f}  |dNLL| {r['abs_dnll']:.4f}  bits {r['effective_bits']:.2f}  "
               f"{r['seconds']:.1f}s  {chunks}", flush=True)  # fmt: skip
     save(args.out, {"model": args.model, "text": "calibration articles (development)", "context": args.context,
-                    "segments": args.segments, "rows": rows})  # fmt: skip
+                    "segments": args.segments, "layer_weight": args.layer_weight, "rows": rows})  # fmt: skip
 
 
 if __name__ == "__main__":
