@@ -152,19 +152,24 @@ def teacher_forced_nll(model, first_logits: torch.Tensor, cache, tokens) -> floa
     if len(tokens) == 0:
         raise ValueError("the reference answer has no tokens to score")
     ids = torch.tensor([list(tokens)], device=first_logits.device)
-    return float(nll_after(model, first_logits, cache, ids, step=1).mean())
+    return float(nll_after(model, first_logits, cache, ids, step=1, feed_last=False).mean())
 
 
-def nll_after(model, last: torch.Tensor, cache, continuation: torch.Tensor, step: int) -> torch.Tensor:
+def nll_after(
+    model, last: torch.Tensor, cache, continuation: torch.Tensor, step: int, feed_last: bool = True
+) -> torch.Tensor:
     """Per-token NLL (L,) float32 of ``continuation`` (1, L) fed into ``cache`` in
-    ``step``-token forwards, ``last`` (1, V) the logits before it (predicting its first token)."""
+    ``step``-token forwards, ``last`` (1, V) the logits before it (predicting its first token).
+    ``feed_last=False`` leaves the last token out of the cache: nothing is scored after it."""
     nll = []
-    for i in range(0, continuation.shape[1], step):
+    length = continuation.shape[1]
+    for i in range(0, length, step):
         piece = continuation[:, i : i + step]
-        step_logits = model(piece, cache=cache, use_cache=True).logits
-        logits = torch.cat([last[:, None], step_logits[:, :-1]], 1)
+        fed = piece if feed_last or i + step < length else piece[:, :-1]
+        step_logits = model(fed, cache=cache, use_cache=True).logits if fed.shape[1] else last[:, None][:, :0]
+        logits = torch.cat([last[:, None], step_logits], 1)[:, : piece.shape[1]]
         nll.append(torch.nn.functional.cross_entropy(logits[0].float(), piece[0], reduction="none"))
-        last = step_logits[:, -1]
+        last = step_logits[:, -1] if fed.shape[1] == piece.shape[1] else None
     return torch.cat(nll)
 
 

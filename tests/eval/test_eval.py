@@ -209,6 +209,39 @@ def test_answer_nll_is_the_nll_of_a_forward_over_prompt_and_answer(tiny, monkeyp
     assert nll == pytest.approx(expected, rel=1e-5) and torch.equal(new, plain[0])
 
 
+@pytest.mark.parametrize("length, step", [(7, 1), (7, 3), (6, 3), (1, 1)])
+def test_nll_after_can_leave_the_last_token_unfed_and_scores_the_same(tiny, length, step):
+    """Scoring a continuation needs no forward over its last token (nothing is scored after
+    it): without it the NLL is the same, one forward fewer where the last piece is one token,
+    and the cache ends a token shorter."""
+    import torch
+    from transformers import DynamicCache
+
+    from hqekv.eval.tasks import nll_after
+
+    from ..helpers import prompt
+
+    ids, continuation = prompt(40, seed=2), prompt(length, seed=3)
+    calls = []
+    hook = tiny.register_forward_pre_hook(lambda module, args: calls.append(1))
+    try:
+        runs = {}
+        for feed_last in (True, False):
+            cache = DynamicCache()
+            with torch.no_grad():
+                last = tiny(ids, cache=cache, use_cache=True).logits[:, -1]
+                calls.clear()
+                nll = nll_after(tiny, last, cache, continuation, step, feed_last=feed_last)
+            runs[feed_last] = nll, len(calls), cache.get_seq_length()
+    finally:
+        hook.remove()
+    (full, full_calls, full_len), (short, short_calls, short_len) = runs[True], runs[False]
+    torch.testing.assert_close(short, full, rtol=1e-5, atol=1e-6)
+    assert short.shape == (length,)
+    assert full_len == 40 + length and short_len == 40 + length - 1
+    assert full_calls == -(-length // step) and short_calls == full_calls - (1 if length % step == 1 or step == 1 else 0)
+
+
 def test_answer_nll_rows_need_fp16s_answer():
     def record(method, index, answer_nll):
         return {"task": "squad", "method": method, "index": index, "prediction": "a", "score": 1.0, "em": 1.0,
