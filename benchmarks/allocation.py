@@ -46,27 +46,26 @@ def continuation_logprobs(model, context, continuation, step=32):
     return torch.cat(rows)[: continuation.shape[1]], cache
 
 
-WINDOW = 20
-
-
 @contextlib.contextmanager
 def residual_layer_weight(model, power: float):
     """Share the budget with each layer's distortions weighed by ρ**power (module docstring)."""
     from hqekv import allocation
     from hqekv.cache.model_cache import HqeKVCache
+    from hqekv.config import HqeKVConfig
 
+    window = HqeKVConfig.window  # the window queries' count the importance reads
     stream, rho, order = {}, {}, []
 
     def before(i):
         def hook(module, args, kwargs):
             h = kwargs.get("hidden_states", args[0] if args else None)
-            stream[i] = h[:, -WINDOW:].float().pow(2).sum((-1, -2))
+            stream[i] = h[:, -window:].float().pow(2).sum((-1, -2))
         return hook
 
     def after(i):
         def hook(module, args, out):
             a = out[0] if isinstance(out, tuple) else out
-            rho[i] = a[:, -WINDOW:].float().pow(2).sum((-1, -2)) / stream[i].clamp(min=1e-30)
+            rho[i] = a[:, -window:].float().pow(2).sum((-1, -2)) / stream[i].clamp(min=1e-30)
         return hook
 
     handles = []
@@ -116,6 +115,7 @@ def main():
             reference.append(continuation_logprobs(model, ids, text.continuation[s : s + 1])[0])
     rows = {}
     defaults = hqekv.allocation.ERROR_MODEL, hqekv.allocation.LAYER_SCALE
+    power = {"energy": None, "residual": 1.0, "residual-sqrt": 0.5}[args.layer_weight]
     for spec in args.methods:
         spec, _, variant = spec.partition("@")  # auto:2@retrieval,none: error model, layer scale
         if variant:
@@ -126,7 +126,6 @@ def main():
         kl, dnll, bits, seconds, chunks = [], [], [], [], {}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            power = {"energy": None, "residual": 1.0, "residual-sqrt": 0.5}[args.layer_weight]
             weight = residual_layer_weight(model, power) if power else contextlib.nullcontext()
             with weight, method.applied(model) as config, torch.no_grad():
                 for s in range(args.segments):

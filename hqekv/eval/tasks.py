@@ -161,15 +161,16 @@ def nll_after(
     """Per-token NLL (L,) float32 of ``continuation`` (1, L) fed into ``cache`` in
     ``step``-token forwards, ``last`` (1, V) the logits before it (predicting its first token).
     ``feed_last=False`` leaves the last token out of the cache: nothing is scored after it."""
+    fed = continuation if feed_last else continuation[:, :-1]
     nll = []
-    length = continuation.shape[1]
-    for i in range(0, length, step):
-        piece = continuation[:, i : i + step]
-        fed = piece if feed_last or i + step < length else piece[:, :-1]
-        step_logits = model(fed, cache=cache, use_cache=True).logits if fed.shape[1] else last[:, None][:, :0]
-        logits = torch.cat([last[:, None], step_logits], 1)[:, : piece.shape[1]]
+    for i in range(0, fed.shape[1], step):
+        piece = fed[:, i : i + step]
+        step_logits = model(piece, cache=cache, use_cache=True).logits
+        logits = torch.cat([last[:, None], step_logits[:, :-1]], 1)
         nll.append(torch.nn.functional.cross_entropy(logits[0].float(), piece[0], reduction="none"))
-        last = step_logits[:, -1] if fed.shape[1] == piece.shape[1] else None
+        last = step_logits[:, -1]
+    if not feed_last:  # the last token, scored by the logits before it
+        nll.append(torch.nn.functional.cross_entropy(last.float(), continuation[0, -1:], reduction="none"))
     return torch.cat(nll)
 
 
