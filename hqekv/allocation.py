@@ -60,6 +60,11 @@ LAYER_SCALE = "energy"
 """How the cache shares the budget between layers (:func:`share`): "energy" (the default),
 one price of a byte for distortions relative to each layer's window output energy; "off",
 every layer keeps ``bavg`` (an ablation)."""
+LAYER_STRENGTH = 0.5
+"""Strength γ of the split of a budget over the layers by their measured sensitivity
+(:func:`hqekv.calibration.split_budget`) when the allocator runs with a calibration's
+``layer_sensitivity`` (each layer its own budget, ``HqeKVConfig.layer_bits``): chosen on
+development text (docs/results.md, "Layers at budgets split by their measured sensitivity")."""
 PROVISIONAL = 2.0
 """A multi-token input first keeps each layer within this many times its budget share; right
 after the forward, the cache shares the model's budget between its layers

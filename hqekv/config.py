@@ -129,6 +129,19 @@ def coerce_layer_ratios(layer_ratios) -> tuple[TierRatios, ...]:
     return tuple(TierRatios.coerce(r) for r in layer_ratios)
 
 
+def coerce_layer_bits(layer_bits, bavg: float) -> tuple[float, ...]:
+    """``layer_bits`` as a tuple of budgets averaging ``bavg``, each one a valid bavg, or raise."""
+    if isinstance(layer_bits, (str, bytes)) or not isinstance(layer_bits, (list, tuple)):
+        raise TypeError(f"layer_bits must be a sequence of bits per element, one per compressed layer, got {layer_bits!r}")
+    if not layer_bits:
+        raise ValueError("layer_bits is empty: give one budget per compressed layer, or None")
+    bits = tuple(check_bavg(b) for b in layer_bits)
+    mean = sum(bits) / len(bits)
+    if abs(mean - bavg) > 1e-3:
+        raise ValueError(f"layer_bits average {mean:.4g} bits per element over their {len(bits)} layers, but bavg={bavg:g}")
+    return bits
+
+
 def layer_mean_bavg(layer_ratios: Sequence[TierRatios]) -> float:
     """Average code bits per element over layers of equal size."""
     return sum(r.bavg for r in layer_ratios) / len(layer_ratios)
@@ -250,6 +263,13 @@ class HqeKVConfig:
         expected error of the window queries' attention outputs is smallest
         (:mod:`hqekv.allocation`). ``bavg`` then counts real bits, metadata included, and
         ``ratios`` only size a static cache's first reserve. ``patch_model(ratios="auto")``.
+    layer_bits : sequence of float, optional
+        Under ``allocation="rate-distortion"``: each compressed (global attention) layer's
+        own budget in real bits per element, in layer order, averaging ``bavg``; each layer
+        then chooses within its own budget and the layers do not share one. A calibration
+        splits the budget so from each layer's measured sensitivity
+        (:func:`hqekv.calibration.split_budget`). None: the layers share ``bavg``, one price
+        of a byte for the whole model (:func:`hqekv.allocation.share`).
     chunked_prefill : {"wait", "wait-4bit", "evict"}, default "wait"
         What the cache does while a prompt arrives in pieces (``generate(prefill_chunk_size=...)``,
         or :meth:`~hqekv.cache.HqeKVCache.defer_eviction` in a loop of one's own). "wait":
@@ -285,6 +305,7 @@ class HqeKVConfig:
     key_ratios: TierRatios | None = None
     layer_ratios: tuple[TierRatios, ...] | None = None
     allocation: str = "ratios"
+    layer_bits: tuple[float, ...] | None = None
     chunked_prefill: str = "wait"
     ratios_source: str = "explicit"
     version: int = field(default=CONFIG_VERSION)
@@ -340,6 +361,11 @@ class HqeKVConfig:
                     raise ValueError(f"{name} fix tier shares; allocation='rate-distortion' chooses tiers by itself")
             if self.importance != "attention":
                 raise ValueError("allocation='rate-distortion' weighs errors by attention; importance must be 'attention'")
+        if self.layer_bits is not None:
+            if self.allocation != "rate-distortion":
+                raise ValueError("layer_bits are per-layer budgets of the rate-distortion allocator; "
+                                 "with allocation='ratios' give layer_ratios")  # fmt: skip
+            object.__setattr__(self, "layer_bits", coerce_layer_bits(self.layer_bits, self.bavg))
         if self.rotation not in ROTATIONS:
             raise ValueError(f"rotation must be one of {ROTATIONS}, got {self.rotation!r}")
         if self.fp_dtype not in FP_DTYPES:
@@ -356,6 +382,9 @@ class HqeKVConfig:
         return mean_bavg(self.ratios, self.key_ratios)
 
     def describe_ratios(self) -> str:
+        if self.layer_bits is not None:
+            bits = ", ".join(f"{b:.2f}" for b in self.layer_bits)
+            return f"rate-distortion, {len(self.layer_bits)} per-layer budgets (bits {bits})"
         if self.layer_ratios is not None:
             bits = ", ".join(f"{r.bavg:.2f}" for r in self.layer_ratios)
             return f"{len(self.layer_ratios)} per-layer budgets (bits {bits}) from {self.ratios.describe()}"
@@ -363,7 +392,11 @@ class HqeKVConfig:
 
     def for_layer(self, index: int) -> "HqeKVConfig":
         """The settings of compressed layer ``index`` (counting global attention layers only):
-        this config, with that layer's ratios when ``layer_ratios`` is set."""
+        this config, with that layer's ratios when ``layer_ratios`` is set, or its budget
+        when ``layer_bits`` is."""
+        if self.layer_bits is not None:
+            bits = self.layer_bits[index]
+            return dataclasses.replace(self, ratios=uncalibrated_ratios(bits), bavg=bits, layer_bits=None)
         if self.layer_ratios is None:
             return self
         r = self.layer_ratios[index]
@@ -402,10 +435,12 @@ class HqeKVConfig:
             d["key_ratios"] = TierRatios.coerce(d["key_ratios"])
         if d.get("layer_ratios") is not None:
             d["layer_ratios"] = coerce_layer_ratios(d["layer_ratios"])
+        if d.get("layer_bits") is not None:
+            d["layer_bits"] = tuple(d["layer_bits"])
         return cls(**d)
 
 
-RATIO_FIELDS = ("ratios", "bavg", "key_ratios", "layer_ratios", "allocation")
+RATIO_FIELDS = ("ratios", "bavg", "key_ratios", "layer_ratios", "allocation", "layer_bits")
 """HqeKVConfig fields that say how many bits go where: what a calibration finds."""
 RUNTIME_FIELDS = ("importance", "chunked_prefill", "ratios_source", "version")
 """HqeKVConfig fields that are neither ratios nor a setting a calibration is made for."""

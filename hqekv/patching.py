@@ -45,6 +45,7 @@ def patch_model(
     ratios: TierRatios | tuple | dict | str | None = None,
     key_ratios: TierRatios | tuple | dict | None = None,
     layer_ratios: Sequence[TierRatios | tuple | dict] | None = None,
+    layer_bits: Sequence[float] | None = None,
     artifact: str | Path | None = None,
     chunk_size: int = 32,
     window: int = 20,
@@ -79,6 +80,11 @@ def patch_model(
         Per-layer budgets, one set of shares per global attention layer, for keys and values
         (:class:`hqekv.HqeKVConfig`); needs ``ratios`` (the shares they were split from), and
         ``bavg`` is their mean. Artifacts of ``hqekv calibrate --per-layer`` carry them.
+    layer_bits : sequence of float, optional
+        With ``ratios="auto"``: each global attention layer's own budget in real bits per
+        element, averaging ``bavg``; the layers then do not share one budget
+        (:class:`hqekv.HqeKVConfig`). :func:`hqekv.calibration.split_budget` makes them from
+        measured per-layer sensitivities.
     artifact : path or Hub repo id, optional
         Calibrated ratios (:mod:`hqekv.artifacts`): a ``.safetensors`` file, a directory or a
         Hub repo id holding one per bavg. With ``bavg`` None, a file's bavg is used, or a
@@ -90,7 +96,8 @@ def patch_model(
     (``$HQEKV_CACHE/artifacts``, or the model's ``owner/name-hqekv`` Hub repo in the local
     Hub cache) or the one shipped in the package is used (where the allocator beats a shipped
     artifact, :data:`hqekv.artifacts.SUPERSEDED`, the allocator at the real bytes the
-    artifact's shares spend); if there is none, the rate-distortion allocator (as
+    artifact's shares spend, split over the layers by the sensitivity it measured, where it
+    did); if there is none, the rate-distortion allocator (as
     ``ratios="auto"``), with an :class:`UncalibratedRatiosWarning` (at bavg 16, every chunk
     full precision).
     value_group : int, optional
@@ -120,6 +127,14 @@ def patch_model(
             f"{len(layer_ratios)} layer_ratios for a {text_config.model_type} model with {n_global} global attention "
             "layers: give one set of shares per global attention layer"
         )
+    if layer_bits is not None:
+        if not (isinstance(ratios, str) and ratios == "auto"):
+            raise ValueError("layer_bits= are budgets of the rate-distortion allocator: pass ratios='auto' with them")
+        if not isinstance(layer_bits, (str, bytes)) and hasattr(layer_bits, "__len__") and len(layer_bits) != n_global:
+            raise ValueError(
+                f"{len(layer_bits)} layer_bits for a {text_config.model_type} model with {n_global} global attention "
+                "layers: give one budget per global attention layer"
+            )
     head_dim = head_dim_of(model)
     if value_group is None:
         value_group = default_value_group(head_dim)
@@ -141,6 +156,7 @@ def patch_model(
         rotation=rotation,
         importance=importance,
         chunked_prefill=chunked_prefill,
+        **({} if layer_bits is None else {"layer_bits": layer_bits}),
     )
     if head_dim % min(config.value_group, head_dim):
         raise ValueError(

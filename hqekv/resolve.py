@@ -35,7 +35,9 @@ def resolve_config(model, bavg=None, ratios=None, artifact=None, key_ratios=None
     :class:`UncalibratedRatiosWarning`.
 
     A shipped artifact the allocator beats (:data:`hqekv.artifacts.SUPERSEDED`) gives way to
-    the allocator at the real bytes the artifact's shares spend (:func:`hqekv.allocation.ratio_bits`).
+    the allocator at the real bytes the artifact's shares spend (:func:`hqekv.allocation.ratio_bits`);
+    where the artifact measured its layers' sensitivity (``layer_sensitivity``), each layer
+    gets its own budget split from it (``layer_bits``, :data:`hqekv.allocation.LAYER_STRENGTH`).
     ``ratios="calibrated"`` insists on an artifact (own or shipped, superseded or not) and
     raises :class:`hqekv.artifacts.ArtifactError` when there is none."""
     from . import allocation, artifacts
@@ -96,7 +98,15 @@ def resolve_config(model, bavg=None, ratios=None, artifact=None, key_ratios=None
         if calibrated or shipped.path.name not in artifacts.SUPERSEDED:
             return config
         bits = allocation.ratio_bits(config, head_dim_of(model), model.dtype)
-        return budget_config(bits, source=f"rate-distortion at the bytes of shipped:{shipped.path.name}", **settings)
+        source = f"rate-distortion at the bytes of shipped:{shipped.path.name}"
+        sensitivity = shipped.metadata.get("layer_sensitivity")
+        if sensitivity is None:
+            return budget_config(bits, source=source, **settings)
+        from .calibration.layer_budgets import split_budget
+
+        layer_bits = split_budget(bits, sensitivity, allocation.LAYER_STRENGTH)
+        return budget_config(bits, source=f"{source}, split over its layers by their sensitivity", layer_bits=layer_bits,
+                             **settings)  # fmt: skip
     if calibrated:
         raise artifacts.ArtifactError(
             f"ratios='calibrated': no calibrated artifact for {name!r} at bavg={bavg:g} with these settings (looked "

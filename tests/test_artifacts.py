@@ -243,6 +243,28 @@ def test_a_superseded_shipped_artifact_gives_way_to_the_allocator_at_its_bytes(t
     assert copy.name == path.name and not load_artifact(copy).superseded
 
 
+def test_a_superseded_artifact_that_measured_its_layers_splits_the_allocator_s_budget_by_them(tmp_path, model, monkeypatch):
+    from hqekv.calibration import split_budget
+
+    monkeypatch.setattr(artifacts, "SHIPPED_DIR", tmp_path)
+    sensitivity = [0.004, 0.0001]  # the first layer 40 times as sensitive
+    path = save_artifact(tmp_path, RATIOS, metadata(model, layer_sensitivity=sensitivity))
+    monkeypatch.setattr(artifacts, "SUPERSEDED", (path.name,))
+    hqekv.patch_model(model, 2.0)
+    config = hqekv.patch_config(model)
+    hqekv.unpatch_model(model)
+    bits = ratio_bits(hqekv.HqeKVConfig(ratios=RATIOS, bavg=2.0, value_group=config.value_group), model.config.head_dim,
+                      model.dtype)  # fmt: skip
+    assert config.allocation == "rate-distortion" and config.bavg == pytest.approx(bits)
+    assert config.layer_bits == pytest.approx(split_budget(bits, sensitivity, hqekv.allocation.LAYER_STRENGTH))
+    assert config.layer_bits[0] > bits > config.layer_bits[1]
+    assert config.ratios_source == f"rate-distortion at the bytes of shipped:{path.name}, split over its layers by their sensitivity"
+    monkeypatch.setattr(artifacts, "SUPERSEDED", ())  # not superseded: the artifact's own shares
+    hqekv.patch_model(model, 2.0)
+    assert hqekv.patch_config(model).layer_bits is None and hqekv.patch_config(model).ratios == RATIOS
+    hqekv.unpatch_model(model)
+
+
 def test_cli_info_on_a_model_names_its_superseded_artifacts(tmp_path, model, monkeypatch, capsys):
     monkeypatch.setattr(artifacts, "SHIPPED_DIR", tmp_path / "shipped")
     path = save_artifact(tmp_path / "shipped", RATIOS, metadata(model))

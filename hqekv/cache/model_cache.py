@@ -53,6 +53,11 @@ class HqeKVCache(Cache):
                 f"layer_ratios give {len(config.layer_ratios)} per-layer budgets but this model has {n_global} "
                 "compressed (global attention) layers: per-layer ratios are made for one architecture"
             )
+        if config.layer_bits is not None and len(config.layer_bits) != n_global:
+            raise ValueError(
+                f"layer_bits give {len(config.layer_bits)} per-layer budgets but this model has {n_global} "
+                "compressed (global attention) layers: per-layer budgets are made for one architecture"
+            )
         layers, j = [], 0
         for i, w in enumerate(windows):
             if w is None:
@@ -115,7 +120,7 @@ class HqeKVCache(Cache):
             )
             for layer in layers
         ]
-        if allocation.LAYER_SCALE == "off":
+        if allocation.LAYER_SCALE == "off" or self.config.layer_bits is not None:  # each layer its own budget
             tiers = [allocation.share([found], *budget.chunk_bytes(layers[0]))[0] for found in choices]
         else:
             tiers = allocation.share(choices, *budget.chunk_bytes(layers[0]))

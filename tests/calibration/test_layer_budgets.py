@@ -232,3 +232,83 @@ def test_split_artifact_adds_per_layer_budgets_to_an_existing_search(tmp_path):
     with pytest.raises(ArtifactError, match="not for this model"):
         split_artifact(tiny_llama(seed=1, layers=2), CharTokenizer(), searched.path)
     assert cli.main(["split", "--model", "smollm2", str(split.path)]) == 2  # checked before any model loads
+
+
+def test_config_validates_layer_bits_and_gives_each_layer_its_own_budget():
+    config = hqekv.config.budget_config(2.0, layer_bits=[1.0, 3.0])
+    assert config.layer_bits == (1.0, 3.0)
+    first, second = config.for_layer(0), config.for_layer(1)
+    assert (first.bavg, second.bavg) == (1.0, 3.0) and first.layer_bits is second.layer_bits is None
+    assert second.allocation == "rate-distortion" and math.isclose(second.ratios.bavg, 3.0)  # sizes the reserve
+    assert HqeKVConfig.from_dict(config.to_dict()) == config
+    assert "2 per-layer budgets (bits 1.00, 3.00)" in config.describe_ratios()
+    with pytest.raises(ValueError, match="average 2.5 bits"):
+        hqekv.config.budget_config(2.0, layer_bits=[2.0, 3.0])
+    with pytest.raises(ValueError, match="bavg must be in"):
+        hqekv.config.budget_config(2.0, layer_bits=[-1.0, 5.0])
+    with pytest.raises(ValueError, match="empty"):
+        hqekv.config.budget_config(2.0, layer_bits=[])
+    with pytest.raises(TypeError, match="sequence"):
+        hqekv.config.budget_config(2.0, layer_bits=2.0)
+    with pytest.raises(ValueError, match="rate-distortion allocator"):
+        HqeKVConfig(ratios=BASE, bavg=2.7, layer_bits=[2.7, 2.7])
+
+
+def test_layers_at_their_own_budgets_each_hold_theirs_and_do_not_share():
+    """``layer_bits``: through prefill and decode re-ranks each layer stays within its own
+    budget (the model's within the mean), and the layers hold what their budgets allow."""
+    from hqekv.transformers_internals import cache_for
+
+    from ..test_allocation import chunk_bytes_of
+
+    model = tiny_llama(seed=3, layers=3)
+    hqekv.patch_model(model, 1.5, ratios="auto")
+    bits = (1.0, 1.5, 2.0)
+    cache = cache_for(hqekv.config.budget_config(1.5, layer_bits=bits, value_group=hqekv.patch_config(model).value_group), model)
+    with pytest.raises(ValueError, match="layer_bits give 2 per-layer budgets"):
+        cache_for(hqekv.config.budget_config(1.5, layer_bits=(1.0, 2.0)), model)
+    ids = torch.randint(1, 128, (2, 1200), generator=torch.Generator().manual_seed(1))
+    held = []
+
+    def check(rows):  # the rows that re-ranked: between re-ranks a flushed chunk waits for the next
+        held.clear()
+        for layer, b in zip(cache.hqekv_layers, bits):
+            elements = layer.counters.n_chunks * (2 * layer.num_kv_heads * 32 * layer.head_dim)
+            assert layer.config.bavg == b and layer.pending is None
+            assert (chunk_bytes_of(layer) <= b / 8 * elements + 1e-6)[rows].all()
+            held.append((chunk_bytes_of(layer) / (b / 8 * elements))[rows])
+
+    reranks = 0
+    with torch.no_grad():
+        out = model(input_ids=ids, cache=cache)
+        check(torch.ones(2, dtype=torch.bool))
+        token = out.logits[:, -1:].argmax(-1)
+        for _ in range(100):
+            before = cache.hqekv_layers[0].counters.since_rerank.clone()
+            out = model(input_ids=token, cache=cache)
+            token = out.logits[:, -1:].argmax(-1)
+            reranked = cache.hqekv_layers[0].counters.since_rerank <= before
+            check(reranked)
+            reranks += int(reranked.sum())
+    hqekv.unpatch_model(model)
+    assert reranks >= 4
+    # each layer spends most of its own budget, the 2-bit one too (a shared price could move it)
+    assert all((h > 0.8).all() for h in held), held
+
+
+def test_patch_model_takes_layer_bits_with_the_allocator_only():
+    model = tiny_llama(seed=2, layers=2)
+    hqekv.patch_model(model, 2.0, ratios="auto", layer_bits=[1.5, 2.5])
+    config = hqekv.patch_config(model)
+    ids = torch.randint(1, 128, (1, 300), generator=torch.Generator().manual_seed(0))
+    out = model.generate(ids, max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
+    hqekv.unpatch_model(model)
+    assert config.layer_bits == (1.5, 2.5) and config.allocation == "rate-distortion"
+    assert [layer.config.bavg for layer in out.past_key_values.hqekv_layers] == [1.5, 2.5]
+    with pytest.raises(ValueError, match="pass ratios='auto'"):
+        hqekv.patch_model(model, 2.0, layer_bits=[1.5, 2.5])
+    with pytest.raises(ValueError, match="3 layer_bits for a llama model with 2"):
+        hqekv.patch_model(model, 2.0, ratios="auto", layer_bits=[1.5, 2.5, 2.0])
+    with pytest.raises(ValueError, match="average 2.5"):
+        hqekv.patch_model(model, 2.0, ratios="auto", layer_bits=[2.5, 2.5])
+    assert not hqekv.is_patched(model)
