@@ -30,9 +30,14 @@ FORMAT = "hqekv-ratios"
 FORMAT_VERSION = 1
 SHIPPED_DIR = Path(__file__).parent / "artifacts"
 SUFFIX = ".safetensors"
-SUPERSEDED = ("gemma-3-270m-bavg2.safetensors", "gemma-3-270m-bavg3.2.safetensors")
+SUPERSEDED = (
+    "gemma-3-270m-bavg2.safetensors",
+    "gemma-3-270m-bavg3.2.safetensors",
+    "qwen2.5-coder-0.5b-instruct-bavg2.safetensors",
+)
 """Shipped artifacts that the rate-distortion allocator beats at the same real bytes, on
-samples their calibration never read (docs/results.md, Gemma-3-270M): ``patch_model`` runs
+samples their calibration never read (docs/results.md, Gemma-3-270M; Qwen2.5-Coder at bavg 2,
+its layers at budgets split by the sensitivity the artifact measured): ``patch_model`` runs
 the allocator at the bytes their shares spend instead; ``ratios="calibrated"`` still
 takes them."""
 

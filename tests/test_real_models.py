@@ -59,6 +59,37 @@ def test_fp16_ratios_reproduce_and_a_pass_key_survives_bavg_3_2(name, request):
         assert len(sliding) == 15 and all(layer.buffer.keys.shape[2] == 511 for layer in sliding)
 
 
+def test_qwen25_at_bavg_2_runs_the_allocator_split_by_its_artifact_s_layer_sensitivity(qwen25):
+    """bavg 2: the shipped artifact is superseded by the allocator at its bytes, each layer at
+    its own budget split by the sensitivity the artifact measured (docs/results.md, "Layers
+    at budgets split by their measured sensitivity"); ``ratios="calibrated"`` is the artifact."""
+    import warnings
+
+    from hqekv.artifacts import SHIPPED_DIR, load_artifact
+    from hqekv.calibration import split_budget
+
+    model, _ = qwen25
+    name = "qwen2.5-coder-0.5b-instruct-bavg2.safetensors"
+    sensitivity = load_artifact(SHIPPED_DIR / name).metadata["layer_sensitivity"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        hqekv.patch_model(model, bavg=2.0)
+    try:
+        config = hqekv.patch_config(model)
+    finally:
+        hqekv.unpatch_model(model)
+    assert config.allocation == "rate-distortion"
+    assert config.ratios_source.startswith(f"rate-distortion at the bytes of shipped:{name}, split")
+    assert config.layer_bits == pytest.approx(split_budget(config.bavg, sensitivity, hqekv.allocation.LAYER_STRENGTH))
+    assert len(config.layer_bits) == model.config.num_hidden_layers
+    assert max(range(len(sensitivity)), key=lambda i: config.layer_bits[i]) == max(range(len(sensitivity)), key=sensitivity.__getitem__)
+    hqekv.patch_model(model, bavg=2.0, ratios="calibrated")
+    try:
+        assert hqekv.patch_config(model).ratios_source == f"shipped:{name}"
+    finally:
+        hqekv.unpatch_model(model)
+
+
 def test_qwen25_finds_its_shipped_artifacts_at_the_extreme_budgets(qwen25):
     """bavg 1 and 0.5 resolve to Qwen2.5-Coder's calibrated artifacts, not the allocator: on
     held-out multi-value needles they keep every value the allocator drops some of

@@ -175,8 +175,10 @@ def stored(model, ids, chunk):
 
 
 @pytest.mark.parametrize(
-    "setting", [dict(ratios=MIXED), dict(bavg=2.0, ratios="auto"), dict(bavg=1.0, ratios="auto")],
-    ids=["ratios", "auto-2", "auto-1"],
+    "setting",
+    [dict(ratios=MIXED), dict(bavg=2.0, ratios="auto"), dict(bavg=1.0, ratios="auto"),
+     dict(bavg=1.5, ratios="auto", layer_bits=[1.0, 1.5, 2.0])],
+    ids=["ratios", "auto-2", "auto-1", "auto-layer-bits"],
 )  # fmt: skip
 def test_the_budget_holds_across_prefill_chunks(setting):
     """The bytes after N prompt chunks are at most those of the same tokens compressed at once
