@@ -135,7 +135,13 @@ def coerce_layer_bits(layer_bits, bavg: float) -> tuple[float, ...]:
         raise TypeError(f"layer_bits must be a sequence of bits per element, one per compressed layer, got {layer_bits!r}")
     if not layer_bits:
         raise ValueError("layer_bits is empty: give one budget per compressed layer, or None")
-    bits = tuple(check_bavg(b) for b in layer_bits)
+    bits = []
+    for i, b in enumerate(layer_bits):
+        try:
+            bits.append(check_bavg(b))
+        except (TypeError, ValueError) as error:
+            raise type(error)(f"layer_bits[{i}]: {error}") from None
+    bits = tuple(bits)
     mean = sum(bits) / len(bits)
     if abs(mean - bavg) > 1e-3:
         raise ValueError(f"layer_bits average {mean:.4g} bits per element over their {len(bits)} layers, but bavg={bavg:g}")

@@ -62,7 +62,13 @@ def resolve_config(model, bavg=None, ratios=None, artifact=None, key_ratios=None
             what = "chooses tiers by itself" if ratios == "auto" else "takes an artifact's shares"
             raise ValueError(f"ratios={ratios!r} {what}: key_ratios= and layer_ratios= do not apply")
         if ratios == "auto":
-            return budget_config(DEFAULT_BAVG if bavg is None else bavg, **settings)
+            if bavg is None:  # the mean of the layers' own budgets, where they are given
+                layer_bits = settings.get("layer_bits")
+                numbers = isinstance(layer_bits, (list, tuple)) and layer_bits and all(
+                    isinstance(b, (int, float)) and not isinstance(b, bool) for b in layer_bits
+                )  # anything else: HqeKVConfig says what is wrong with it
+                bavg = sum(layer_bits) / len(layer_bits) if numbers else DEFAULT_BAVG
+            return budget_config(bavg, **settings)
         ratios = None
     if ratios is not None:
         ratios = TierRatios.coerce(ratios)

@@ -244,8 +244,10 @@ def test_config_validates_layer_bits_and_gives_each_layer_its_own_budget():
     assert "2 per-layer budgets (bits 1.00, 3.00)" in config.describe_ratios()
     with pytest.raises(ValueError, match="average 2.5 bits"):
         hqekv.config.budget_config(2.0, layer_bits=[2.0, 3.0])
-    with pytest.raises(ValueError, match="bavg must be in"):
+    with pytest.raises(ValueError, match=r"layer_bits\[0\]: bavg must be in"):
         hqekv.config.budget_config(2.0, layer_bits=[-1.0, 5.0])
+    with pytest.raises(TypeError, match=r"layer_bits\[1\]"):
+        hqekv.config.budget_config(2.0, layer_bits=[2.0, None])
     with pytest.raises(ValueError, match="empty"):
         hqekv.config.budget_config(2.0, layer_bits=[])
     with pytest.raises(TypeError, match="sequence"):
@@ -304,6 +306,9 @@ def test_patch_model_takes_layer_bits_with_the_allocator_only():
     out = model.generate(ids, max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
     hqekv.unpatch_model(model)
     assert config.layer_bits == (1.5, 2.5) and config.allocation == "rate-distortion"
+    hqekv.patch_model(model, ratios="auto", layer_bits=[1.0, 2.0])  # bavg: their mean
+    assert hqekv.patch_config(model).bavg == 1.5
+    hqekv.unpatch_model(model)
     assert [layer.config.bavg for layer in out.past_key_values.hqekv_layers] == [1.5, 2.5]
     with pytest.raises(ValueError, match="pass ratios='auto'"):
         hqekv.patch_model(model, 2.0, layer_bits=[1.5, 2.5])
