@@ -22,7 +22,7 @@ added to. Tried, not kept: docs/results.md, "Layers weighed by what their attent
 
 ``--split SENSITIVITY`` runs the ``auto:B`` methods with each layer at its own budget
 (``patch_model(..., ratios="auto", layer_bits=...)``), split from per-layer sensitivities
-(:func:`hqekv.calibration.split_budget` at ``--strength``): a JSON list, or an artifact's
+(:func:`hqekv.allocation.split_budget` at ``--strength``): a JSON list, or an artifact's
 report or ``.safetensors`` file holding ``layer_sensitivity``. ``--measure-sensitivity FILE``
 measures them with the allocator itself and writes that list: for each layer, the mean KL
 with that layer alone at ``auto:--bits`` and every other layer at 16 bits (full precision),
@@ -227,7 +227,7 @@ def main():
         return
     split = None
     if args.split:
-        from hqekv.calibration import split_budget
+        from hqekv.allocation import split_budget
 
         sensitivity = load_sensitivity(args.split)
         split = lambda bavg: split_budget(bavg, sensitivity, args.strength)  # noqa: E731

@@ -4,7 +4,7 @@
 
 Every ``auto:B`` method of the run patches with ``layer_bits`` split from SENSITIVITY (a JSON
 list, or an artifact's report or ``.safetensors`` file holding ``layer_sensitivity``, as
-``benchmarks/allocation.py --split`` reads it) by :func:`hqekv.calibration.split_budget` at
+``benchmarks/allocation.py --split`` reads it) by :func:`hqekv.allocation.split_budget` at
 ``--strength``: each layer its own budget, no budget shared between layers. The other methods
 run as ``hqekv eval`` runs them. Docs: docs/results.md, "Layers at budgets split by their
 measured sensitivity".
@@ -16,7 +16,7 @@ import sys
 from allocation import load_sensitivity
 
 import hqekv
-from hqekv.calibration import split_budget
+from hqekv.allocation import split_budget
 from hqekv.cli import main as cli
 from hqekv.eval.methods import Method
 

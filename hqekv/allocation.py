@@ -37,7 +37,10 @@ within ``bavg`` bits per element and the expected damage to attention is smalles
    choices (:class:`LayerChoices`); the cache then prices a byte once for all layers, with
    each layer's distortions relative to its window output energy, and each layer keeps the
    share it ends with for its decode re-ranks. With :data:`LAYER_FLOOR` > 0 no layer is
-   left with less than that share of its own budget (an ablation, 0 by default).
+   left with less than that share of its own budget (an ablation, 0 by default). With
+   ``HqeKVConfig.layer_bits`` each layer keeps its own budget instead, which
+   :func:`split_budget` makes from the layers' measured sensitivities (a calibration's
+   ``layer_sensitivity``).
 
 Chunks only move down (a chunk already at 2 bits can stay or go lower; what it lost is
 sunk), and the chunks in the top ``protected`` under either importance metric are never
@@ -47,11 +50,15 @@ evicted. Everything here is a pure function of tensors.
 from __future__ import annotations
 
 import itertools
+import math
+import statistics
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
 from . import quantization
+from .config import check_bavg
 from .tiers import EVICTED, FP16, INT1, QUANTIZED_TIERS, TIERS, TILE_CHUNKS
 
 ERROR_MODEL = "retrieval"
@@ -105,6 +112,9 @@ NEXT_CHUNK = 0.0
 """A chunk right after another costs at least this share of what its predecessor costs
 (:func:`with_successors`): what the window's queries read, an answer reads on from (an
 ablation, 0 by default: docs/results.md, "Needles the allocator drops")."""
+KL_FLOOR = 1e-9
+"""The least KL a log is taken of (ln(max(KL, KL_FLOOR)) in the calibration's data term, the
+layers' sensitivities in :func:`split_budget`): all-FP16 scores exactly 0 KL."""
 BISECTION_STEPS = 48
 LAMBDA_RANGE = (-14.0, 14.0)
 """log10 of the price of a byte the bisection searches, with distortions and bytes of a row
@@ -497,3 +507,29 @@ def share(
         if not moved:
             break
     return list(zip(k.split(widths, 1), v.split(widths, 1)))
+
+
+def split_budget(bavg: float, sensitivity: Sequence[float], strength: float) -> list[float]:
+    """Per-layer budgets averaging ``bavg``: b_l = c + γ·½·log2(s_l / geomean(s)), clipped
+    to [bavg/4, min(16, 3·bavg)], with c set so that the mean is ``bavg``.
+
+    γ = 1 is the classic reverse water-filling of bits: if a layer's loss is s_l·4^(−b_l)
+    (each bit quarters the quantization noise power), that split minimises the sum. The
+    tiers' real curves differ (eviction is not quantization), so γ is searched.
+    """
+    bavg = check_bavg(bavg)
+    if strength < 0 or not math.isfinite(strength):
+        raise ValueError(f"strength must be a finite number >= 0, got {strength!r}")
+    logs = [math.log2(max(s, KL_FLOOR)) for s in sensitivity]
+    mean_log = statistics.fmean(logs)
+    d = [strength * 0.5 * (x - mean_log) for x in logs]
+    lo, hi = bavg / 4, min(16.0, 3 * bavg)
+
+    def budgets(c):
+        return [min(hi, max(lo, c + x)) for x in d]
+
+    a, z = lo - max(d), hi - min(d)  # the mean is lo at a and hi at z, monotone between
+    for _ in range(100):
+        c = (a + z) / 2
+        a, z = (c, z) if statistics.fmean(budgets(c)) < bavg else (a, c)
+    return budgets((a + z) / 2)

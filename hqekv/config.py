@@ -274,7 +274,7 @@ class HqeKVConfig:
         own budget in real bits per element, in layer order, averaging ``bavg``; each layer
         then chooses within its own budget and the layers do not share one. A calibration
         splits the budget so from each layer's measured sensitivity
-        (:func:`hqekv.calibration.split_budget`). None: the layers share ``bavg``, one price
+        (:func:`hqekv.allocation.split_budget`). None: the layers share ``bavg``, one price
         of a byte for the whole model (:func:`hqekv.allocation.share`).
     chunked_prefill : {"wait", "wait-4bit", "evict"}, default "wait"
         What the cache does while a prompt arrives in pieces (``generate(prefill_chunk_size=...)``,

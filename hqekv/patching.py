@@ -83,7 +83,7 @@ def patch_model(
     layer_bits : sequence of float, optional
         With ``ratios="auto"``: each global attention layer's own budget in real bits per
         element, averaging ``bavg``; the layers then do not share one budget
-        (:class:`hqekv.HqeKVConfig`). :func:`hqekv.calibration.split_budget` makes them from
+        (:class:`hqekv.HqeKVConfig`). :func:`hqekv.allocation.split_budget` makes them from
         measured per-layer sensitivities.
     artifact : path or Hub repo id, optional
         Calibrated ratios (:mod:`hqekv.artifacts`): a ``.safetensors`` file, a directory or a

@@ -108,9 +108,7 @@ def resolve_config(model, bavg=None, ratios=None, artifact=None, key_ratios=None
         sensitivity = shipped.metadata.get("layer_sensitivity")
         if sensitivity is None:
             return budget_config(bits, source=source, **settings)
-        from .calibration.layer_budgets import split_budget
-
-        layer_bits = split_budget(bits, sensitivity, allocation.LAYER_STRENGTH)
+        layer_bits = allocation.split_budget(bits, sensitivity, allocation.LAYER_STRENGTH)
         return budget_config(bits, source=f"{source}, split over its layers by their sensitivity", layer_bits=layer_bits,
                              **settings)  # fmt: skip
     if calibrated:

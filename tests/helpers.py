@@ -289,3 +289,19 @@ def tiny_objective(layers: int):
     context = torch.randint(1, 128, (1, 300), generator=g)
     continuation = torch.randint(1, 128, (1, 40), generator=g)
     return model, context, continuation, CompressionObjective(model, context, continuation)
+
+
+def chunk_bytes_of(layer) -> torch.Tensor:
+    """Bytes each row's chunks hold (codes, metadata, FP16 chunks), from its tables (B,)."""
+    from hqekv import allocation
+    from hqekv.cache.pools import KEY
+    from hqekv.tiers import INT4
+
+    g, h, d = layer.config.chunk_size, layer.num_kv_heads, layer.head_dim
+    pools = layer.pools
+    bytes_k, bytes_v = allocation.chunk_bytes(
+        h, g, d, layer.value_group, pools[KEY].fp.element_size(), pools[KEY].quantized[INT4].meta0.element_size()
+    )
+    table = layer.live_table()
+    kept = table.chunk_pos >= 0
+    return torch.where(kept, bytes_k[table.k_tier.clamp(0, 3)] + bytes_v[table.v_tier.clamp(0, 3)], 0.0).sum(1)

@@ -12,7 +12,7 @@ from hqekv import allocation, importance
 from hqekv.cache.pools import KEY, VALUE, encode_chunks
 from hqekv.tiers import EVICTED, FP16, INT1, INT2, INT4
 
-from .helpers import stored_bytes, tiny_llama
+from .helpers import chunk_bytes_of, stored_bytes, tiny_llama
 
 
 @pytest.mark.parametrize("head_dim,value_group", [(64, 64), (16, 16), (96, 32)])
@@ -238,18 +238,6 @@ def test_choices_kept_compact_like_the_table():
     assert out.k_tier.tolist() == [[0, 1, 2], [0, -1, -1]]
     assert torch.equal(out.d_k[0], d[0, [0, 1, 3]]) and torch.equal(out.d_k[1, 0], d[1, 2])
     assert out.evictable.tolist() == [[True, True, True], [True, False, False]]
-
-
-def chunk_bytes_of(layer) -> torch.Tensor:
-    """Bytes each row's chunks hold (codes, metadata, FP16 chunks), from its tables (B,)."""
-    g, h, d = layer.config.chunk_size, layer.num_kv_heads, layer.head_dim
-    pools = layer.pools
-    bytes_k, bytes_v = allocation.chunk_bytes(
-        h, g, d, layer.value_group, pools[KEY].fp.element_size(), pools[KEY].quantized[INT4].meta0.element_size()
-    )
-    table = layer.live_table()
-    kept = table.chunk_pos >= 0
-    return torch.where(kept, bytes_k[table.k_tier.clamp(0, 3)] + bytes_v[table.v_tier.clamp(0, 3)], 0.0).sum(1)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

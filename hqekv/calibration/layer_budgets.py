@@ -3,14 +3,14 @@ sensitivity (the KL when it alone is compressed), at a few strengths."""
 
 from __future__ import annotations
 
-import math
 import statistics
 import time
 from dataclasses import dataclass
 from typing import Sequence
 
+from ..allocation import split_budget
 from ..config import FP16_RATIOS, TierRatios, check_bavg
-from .objective import ALPHA, BETA, KL_FLOOR, data_term, segment_kls
+from .objective import ALPHA, BETA, data_term, segment_kls
 
 
 LAYER_STRENGTHS = (0.25, 0.5, 0.75, 1.0, 1.5)
@@ -47,32 +47,6 @@ def _towards(start, end, t: float) -> TierRatios:
     mixed = [max(0.0, a + t * (e - a)) for a, e in zip(start, end)]
     total = sum(mixed)
     return TierRatios(*(v / total for v in mixed))
-
-
-def split_budget(bavg: float, sensitivity: Sequence[float], strength: float) -> list[float]:
-    """Per-layer budgets averaging ``bavg``: b_l = c + γ·½·log2(s_l / geomean(s)), clipped
-    to [bavg/4, min(16, 3·bavg)], with c set so that the mean is ``bavg``.
-
-    γ = 1 is the classic reverse water-filling of bits: if a layer's loss is s_l·4^(−b_l)
-    (each bit quarters the quantization noise power), that split minimises the sum. The
-    tiers' real curves differ (eviction is not quantization), so γ is searched.
-    """
-    bavg = check_bavg(bavg)
-    if strength < 0 or not math.isfinite(strength):
-        raise ValueError(f"strength must be a finite number >= 0, got {strength!r}")
-    logs = [math.log2(max(s, KL_FLOOR)) for s in sensitivity]
-    mean_log = statistics.fmean(logs)
-    d = [strength * 0.5 * (x - mean_log) for x in logs]
-    lo, hi = bavg / 4, min(16.0, 3 * bavg)
-
-    def budgets(c):
-        return [min(hi, max(lo, c + x)) for x in d]
-
-    a, z = lo - max(d), hi - min(d)  # the mean is lo at a and hi at z, monotone between
-    for _ in range(100):
-        c = (a + z) / 2
-        a, z = (c, z) if statistics.fmean(budgets(c)) < bavg else (a, c)
-    return budgets((a + z) / 2)
 
 
 @dataclass

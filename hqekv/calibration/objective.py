@@ -21,6 +21,7 @@ import torch
 
 from ..cache import HqeKVCache, HqeKVLayer, SlidingWindowLayer, rerank
 from ..cache.pools import KEY, VALUE, QuantizedPool, encode_chunks
+from ..allocation import KL_FLOOR
 from ..config import CACHE_SETTINGS, FP16_RATIOS, HqeKVConfig, TierRatios
 from ..tiers import FP16, QUANTIZED_TIERS
 
@@ -34,10 +35,6 @@ BETA = 4.0
 KL_SCALES = ("log", "linear")
 """Data term of the search: ln(mean KL) (default: the regulariser is a tie-breaker, see
 :func:`data_term`) or the mean KL itself (the paper's scale)."""
-
-
-KL_FLOOR = 1e-9
-"""ln(KL) is taken of max(KL, KL_FLOOR): all-FP16 ratios score exactly 0 KL."""
 
 
 CALIBRATION_TOKENS = 16384

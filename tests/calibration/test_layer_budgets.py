@@ -11,7 +11,7 @@ from hqekv.artifacts import ArtifactError, load_artifact, save_artifact
 from hqekv.tiers import EVICTED, FP16
 from hqekv.calibration import calibrate, layer_budgets, layer_sensitivity, mean_kl, ratios_at, split_budget
 
-from ..helpers import CharTokenizer, metadata, tiny_llama, tiny_objective
+from ..helpers import CharTokenizer, chunk_bytes_of, metadata, tiny_llama, tiny_objective
 
 BASE = TierRatios(int4=0.5, int2=0.3, int1=0.1, evict=0.1)  # 2.7 bits
 
@@ -260,8 +260,6 @@ def test_layers_at_their_own_budgets_each_hold_theirs_and_do_not_share():
     """``layer_bits``: through prefill and decode re-ranks each layer stays within its own
     budget (the model's within the mean), and the layers hold what their budgets allow."""
     from hqekv.transformers_internals import cache_for
-
-    from ..test_allocation import chunk_bytes_of
 
     model = tiny_llama(seed=3, layers=3)
     hqekv.patch_model(model, 1.5, ratios="auto")
