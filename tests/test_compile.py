@@ -17,13 +17,15 @@ from .helpers import EVERY_TIER
 PER_LAYER = (TierRatios(int4=0.6, int2=0.4), TierRatios(int2=0.2, int1=0.4, evict=0.4))  # 3.2 and 0.8 bits
 
 
-@pytest.mark.parametrize("setting", ["rotated", "per-layer", "auto"])
+@pytest.mark.parametrize("setting", ["rotated", "per-layer", "auto", "auto-layer-bits"])
 def test_compiled_generate_equals_eager_and_compiles_decode_once(setting):
     model = tiny_llama().to(DEVICE)
     if setting == "rotated":  # the rotated path compiles too
         hqekv.patch_model(model, ratios=EVERY_TIER, rotation="hadamard")
     elif setting == "auto":  # the rate-distortion allocator re-ranks in the eager step
         hqekv.patch_model(model, 1.5, ratios="auto")
+    elif setting == "auto-layer-bits":  # the allocator, each layer within its own budget
+        hqekv.patch_model(model, 1.5, ratios="auto", layer_bits=[1.0, 2.0])
     else:  # each layer re-ranks at its own ratios, in the one decode graph
         hqekv.patch_model(model, ratios=hqekv.uncalibrated_ratios(2.0), layer_ratios=PER_LAYER)
     gen = torch.Generator().manual_seed(0)
