@@ -149,8 +149,9 @@ class Artifact:
             lines.append(f"  per-layer budgets (bits): {', '.join(f'{r.bavg:.2f}' for r in self.layer_ratios)}")
         lines += [f"  {k}: {v}" for k, v in sorted(self.metadata.items()) if k != "layer_ratios"]
         if self.superseded:
+            split = ", each layer at a budget split by layer_sensitivity" if "layer_sensitivity" in self.metadata else ""
             lines.append("  superseded: patch_model runs the rate-distortion allocator at the bytes these shares "
-                         "spend; ratios='calibrated' takes them")  # fmt: skip
+                         f"spend{split}; ratios='calibrated' takes them")  # fmt: skip
         return "\n".join(lines)
 
     @property

@@ -259,6 +259,7 @@ def test_a_superseded_artifact_that_measured_its_layers_splits_the_allocator_s_b
     assert config.layer_bits == pytest.approx(split_budget(bits, sensitivity, hqekv.allocation.LAYER_STRENGTH))
     assert config.layer_bits[0] > bits > config.layer_bits[1]
     assert config.ratios_source == f"rate-distortion at the bytes of shipped:{path.name}, split over its layers by their sensitivity"
+    assert "spend, each layer at a budget split by layer_sensitivity;" in load_artifact(path).describe()
     monkeypatch.setattr(artifacts, "SUPERSEDED", ())  # not superseded: the artifact's own shares
     hqekv.patch_model(model, 2.0)
     assert hqekv.patch_config(model).layer_bits is None and hqekv.patch_config(model).ratios == RATIOS
