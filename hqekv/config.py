@@ -129,8 +129,9 @@ def coerce_layer_ratios(layer_ratios) -> tuple[TierRatios, ...]:
     return tuple(TierRatios.coerce(r) for r in layer_ratios)
 
 
-def coerce_layer_bits(layer_bits, bavg: float) -> tuple[float, ...]:
-    """``layer_bits`` as a tuple of budgets averaging ``bavg``, each one a valid bavg, or raise."""
+def coerce_layer_bits(layer_bits, bavg: float | None = None) -> tuple[float, ...]:
+    """``layer_bits`` as a tuple of budgets, each one a valid bavg, averaging ``bavg`` when
+    it is given, or raise."""
     if isinstance(layer_bits, (str, bytes)) or not isinstance(layer_bits, (list, tuple)):
         raise TypeError(f"layer_bits must be a sequence of bits per element, one per compressed layer, got {layer_bits!r}")
     if not layer_bits:
@@ -143,7 +144,7 @@ def coerce_layer_bits(layer_bits, bavg: float) -> tuple[float, ...]:
             raise type(error)(f"layer_bits[{i}]: {error}") from None
     bits = tuple(bits)
     mean = sum(bits) / len(bits)
-    if abs(mean - bavg) > 1e-3:
+    if bavg is not None and abs(mean - bavg) > 1e-3:
         raise ValueError(f"layer_bits average {mean:.4g} bits per element over their {len(bits)} layers, but bavg={bavg:g}")
     return bits
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Sequence
 
 from .cache import HqeKVCache
-from .config import HqeKVConfig, TierRatios
+from .config import HqeKVConfig, TierRatios, coerce_layer_bits
 from .memory import MemoryReport
 from .patches import attention_classes, sliding_windows
 from .resolve import (
@@ -130,7 +130,8 @@ def patch_model(
     if layer_bits is not None:
         if not (isinstance(ratios, str) and ratios == "auto"):
             raise ValueError("layer_bits= are budgets of the rate-distortion allocator: pass ratios='auto' with them")
-        if not isinstance(layer_bits, (str, bytes)) and hasattr(layer_bits, "__len__") and len(layer_bits) != n_global:
+        layer_bits = coerce_layer_bits(layer_bits)  # its type and entries; the mean is checked against bavg later
+        if len(layer_bits) != n_global:
             raise ValueError(
                 f"{len(layer_bits)} layer_bits for a {text_config.model_type} model with {n_global} global attention "
                 "layers: give one budget per global attention layer"

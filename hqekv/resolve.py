@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import warnings
 
-from .config import DEFAULTS, FP16_RATIOS, MAX_BAVG, HqeKVConfig, TierRatios, budget_config, check_bavg, mean_bavg
+from .config import (
+    DEFAULTS, FP16_RATIOS, MAX_BAVG, HqeKVConfig, TierRatios, budget_config, check_bavg, coerce_layer_bits, mean_bavg,
+)  # fmt: skip
 
 DEFAULT_BAVG = 3.2
 
@@ -62,12 +64,11 @@ def resolve_config(model, bavg=None, ratios=None, artifact=None, key_ratios=None
             what = "chooses tiers by itself" if ratios == "auto" else "takes an artifact's shares"
             raise ValueError(f"ratios={ratios!r} {what}: key_ratios= and layer_ratios= do not apply")
         if ratios == "auto":
-            if bavg is None:  # the mean of the layers' own budgets, where they are given
-                layer_bits = settings.get("layer_bits")
-                numbers = isinstance(layer_bits, (list, tuple)) and layer_bits and all(
-                    isinstance(b, (int, float)) and not isinstance(b, bool) for b in layer_bits
-                )  # anything else: HqeKVConfig says what is wrong with it
-                bavg = sum(layer_bits) / len(layer_bits) if numbers else DEFAULT_BAVG
+            if bavg is None and settings.get("layer_bits") is not None:  # the mean of the layers' own budgets
+                layer_bits = coerce_layer_bits(settings["layer_bits"])
+                bavg = sum(layer_bits) / len(layer_bits)
+            elif bavg is None:
+                bavg = DEFAULT_BAVG
             return budget_config(bavg, **settings)
         ratios = None
     if ratios is not None:

@@ -314,4 +314,6 @@ def test_patch_model_takes_layer_bits_with_the_allocator_only():
         hqekv.patch_model(model, 2.0, ratios="auto", layer_bits=[1.5, 2.5, 2.0])
     with pytest.raises(ValueError, match="average 2.5"):
         hqekv.patch_model(model, 2.0, ratios="auto", layer_bits=[2.5, 2.5])
+    with pytest.raises(TypeError, match=r"layer_bits\[1\]"):
+        hqekv.patch_model(model, ratios="auto", layer_bits=[2.5, "2"])
     assert not hqekv.is_patched(model)
