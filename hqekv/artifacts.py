@@ -30,6 +30,9 @@ FORMAT = "hqekv-ratios"
 FORMAT_VERSION = 1
 SHIPPED_DIR = Path(__file__).parent / "artifacts"
 SUFFIX = ".safetensors"
+PROFILE_SUFFIX = "-layers" + SUFFIX
+"""How the file of a model's layer profile ends (:mod:`hqekv.profiles`), next to its
+artifacts (``<model>-bavg<B>.safetensors``): the artifacts' searches skip it."""
 SUPERSEDED = (
     "gemma-3-270m-bavg2.safetensors",
     "gemma-3-270m-bavg3.2.safetensors",
@@ -160,9 +163,13 @@ class Artifact:
         return self.path.name in SUPERSEDED and self.path.resolve().parent == SHIPPED_DIR.resolve()
 
 
+def artifact_slug(model_id: str) -> str:
+    """The start of the names of a model's files: ``Org/Model-1B`` -> ``model-1b``."""
+    return re.sub(r"[^a-z0-9.-]+", "-", model_id.rstrip("/").split("/")[-1].lower()).strip("-") or "model"
+
+
 def artifact_filename(model_id: str, bavg: float) -> str:
-    slug = re.sub(r"[^a-z0-9.-]+", "-", model_id.rstrip("/").split("/")[-1].lower()).strip("-") or "model"
-    return f"{slug}-bavg{bavg:g}{SUFFIX}"
+    return f"{artifact_slug(model_id)}-bavg{bavg:g}{SUFFIX}"
 
 
 def save_artifact(
@@ -367,6 +374,8 @@ def _directory_artifacts(directory: Path) -> list[Artifact]:
     file) is skipped with an :class:`ArtifactWarning` naming it."""
     out = []
     for p in sorted(directory.glob(f"*{SUFFIX}")):
+        if p.name.endswith(PROFILE_SUFFIX):  # a layer profile (hqekv.profiles), not ratios
+            continue
         try:
             out.append(load_artifact(p))
         except ArtifactError as err:
@@ -444,7 +453,7 @@ def hub_repo(model_id: str) -> str | None:
     return model_id + HUB_SUFFIX
 
 
-def _hub_cached(repo_id: str) -> Path | None:
+def hub_cached(repo_id: str) -> Path | None:
     """The local Hub cache's snapshot of ``repo_id``, never the network; None if there is none."""
     try:
         from huggingface_hub import snapshot_download
@@ -465,7 +474,7 @@ def find_own(model_id: str, fingerprint: str, bavg: float, settings: dict) -> Ar
     directories = [artifacts_dir()]
     repo = hub_repo(model_id)
     if repo is not None:
-        directories.append(_hub_cached(repo))
+        directories.append(hub_cached(repo))
     for directory in directories:
         if directory is not None and directory.is_dir():
             found = _first_fitting(_directory_artifacts(directory), fingerprint, bavg, settings)
@@ -475,8 +484,8 @@ def find_own(model_id: str, fingerprint: str, bavg: float, settings: dict) -> Ar
 
 
 def shipped_artifacts() -> list[Path]:
-    """Artifacts inside the installed package."""
-    return sorted(SHIPPED_DIR.glob(f"*{SUFFIX}"))
+    """Artifacts inside the installed package (not the layer profiles shipped beside them)."""
+    return sorted(p for p in SHIPPED_DIR.glob(f"*{SUFFIX}") if not p.name.endswith(PROFILE_SUFFIX))
 
 
 def find_shipped(fingerprint: str, bavg: float, settings: dict) -> Artifact | None:
@@ -535,8 +544,9 @@ def plot_history(history: list[dict], path: Path, title: str = "", kl_scale: str
     return path
 
 
-def model_card(artifacts: Iterable[Artifact], repo_id: str) -> str:
-    """README.md for a Hub repo of artifacts, listing each one's metadata."""
+def model_card(artifacts: Iterable[Artifact], repo_id: str, extra: Iterable[tuple[Path, str]] = ()) -> str:
+    """README.md for a Hub repo of artifacts, listing each one's metadata (and each of the
+    ``extra`` files with its line of description)."""
     lines = [
         "---",
         "library_name: hqekv",
@@ -561,15 +571,20 @@ def model_card(artifacts: Iterable[Artifact], repo_id: str) -> str:
             lines.append(f"| per-layer budgets (bits) | {', '.join(f'{r.bavg:.2f}' for r in a.layer_ratios)} |")
         lines += [f"| {k} | {v} |" for k, v in sorted(a.metadata.items()) if k not in ("ratios", "key_ratios", "layer_ratios")]
         lines.append("")
+    for path, description in extra:
+        lines += [f"## `{Path(path).name}`", "", description, ""]
     return "\n".join(lines)
 
 
-def push_artifacts(paths: Iterable[Path | str], repo_id: str, *, token: str | None = None, private: bool = False) -> str:
-    """Upload artifacts (and their reports) to a Hub model repo, created if needed, with a model card."""
+def push_artifacts(paths: Iterable[Path | str], repo_id: str, *, token: str | None = None, private: bool = False,
+                   extra: Iterable[tuple[Path, str]] = ()) -> str:  # fmt: skip
+    """Upload artifacts (and their reports) to a Hub model repo, created if needed, with a
+    model card; ``extra``: more files (a layer profile) to upload, each with its line for the card."""
     from huggingface_hub import HfApi
 
     artifacts = [load_artifact(p) for p in paths]
-    if not artifacts:
+    extra = list(extra)
+    if not artifacts and not extra:
         raise ArtifactError("nothing to push: give at least one artifact")
     api = HfApi(token=token)
     api.create_repo(repo_id, repo_type="model", exist_ok=True, private=private)
@@ -578,5 +593,8 @@ def push_artifacts(paths: Iterable[Path | str], repo_id: str, *, token: str | No
         report = report_path(a.path)
         if report.is_file():
             api.upload_file(path_or_fileobj=str(report), path_in_repo=report.name, repo_id=repo_id)
-    api.upload_file(path_or_fileobj=model_card(artifacts, repo_id).encode(), path_in_repo="README.md", repo_id=repo_id)
+    for path, _ in extra:
+        api.upload_file(path_or_fileobj=str(path), path_in_repo=Path(path).name, repo_id=repo_id)
+    card = model_card(artifacts, repo_id, extra)
+    api.upload_file(path_or_fileobj=card.encode(), path_in_repo="README.md", repo_id=repo_id)
     return f"https://huggingface.co/{repo_id}"

@@ -58,9 +58,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hqekv", description="HqeKV KV-cache compression for Hugging Face causal LMs")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("calibrate", help="find tier ratios by TPE search and write one artifact per bavg")
+    p = sub.add_parser("calibrate", help="find tier ratios by TPE search and write one artifact per bavg, or measure "
+                       "the model's layer profile (--profile)")  # fmt: skip
     _add_model_args(p)
-    p.add_argument("--bavg", type=float, nargs="+", required=True, help="one or more bit budgets in (0, 16] (code bits per element)")
+    p.add_argument("--bavg", type=float, nargs="+", help="one or more bit budgets in (0, 16] (code bits per element)")
+    p.add_argument(
+        "--profile", action="store_true",
+        help="measure the model's layer profile (minutes, not a search): the allocator (ratios='auto', the fallback) "
+        "then gives each layer its own share of any budget. With --bavg, after the searches",
+    )  # fmt: skip
     p.add_argument("--trials", type=int, default=DEFAULT_TRIALS, help="completed trials per bavg (default %(default)s)")
     p.add_argument(
         "--out", help="directory for artifacts and reports (default $HQEKV_CACHE/artifacts, ~/.cache/hqekv/artifacts: "
@@ -192,8 +198,19 @@ def _calibrate(args) -> int:
         torch.set_num_threads(args.threads)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     model, tokenizer, model_id = load_model(args.model, args.gguf_file)
-    print_calibration(run_calibration(args, model, tokenizer, model_id))
-    print(f"study storage: {calibration_storage(args)}")
+    if args.bavg:
+        print_calibration(run_calibration(args, model, tokenizer, model_id))
+        print(f"study storage: {calibration_storage(args)}")
+    if args.profile:
+        from .calibration import measure_profile
+
+        profile = measure_profile(
+            model, tokenizer, out=Path(args.out), context_tokens=args.context_tokens, segments=args.segments,
+            continuation_tokens=args.continuation_tokens, model_id=args.model_id or model_id,
+            progress=not args.no_progress, **settings_from_args(args),
+        )  # fmt: skip
+        bits = ", ".join(f"{b:.2f}" for b in profile.layer_bits(2.0))
+        print(f"layer profile: per-layer budgets at bavg 2: {bits} -> {profile.path}")
     return 0
 
 
@@ -340,7 +357,8 @@ def eval_settings(args, model_id: str, model) -> dict:
 
 
 def _info(args) -> int:
-    from .artifacts import SUFFIX, fingerprint_fields, load_artifact, model_fingerprint, shipped_artifacts
+    from .artifacts import PROFILE_SUFFIX, SUFFIX, fingerprint_fields, load_artifact, model_fingerprint, shipped_artifacts
+    from .profiles import load_profile, shipped_profiles
 
     if not args.paths and not args.model:
         raise SystemExit("hqekv info: give artifact paths or --model")
@@ -351,6 +369,10 @@ def _info(args) -> int:
         if path.is_dir() and not files:
             raise SystemExit(f"hqekv info: no {SUFFIX} artifacts in {path}")
         for f in files:
+            if f.name.endswith(PROFILE_SUFFIX):
+                p = load_profile(f)
+                records.append(("profile", p.describe(), {"path": str(p.path), **p.metadata}))
+                continue
             a = load_artifact(f)
             records.append(("artifact", a.describe(), {"path": str(a.path), "ratios": a.ratios.as_tuple(),
                                                        "superseded": a.superseded, **a.metadata}))  # fmt: skip
@@ -363,6 +385,7 @@ def _info(args) -> int:
         fitting = [a for a in map(load_artifact, shipped_artifacts()) if a.fingerprint == fingerprint]
         shipped = [a.path.name for a in fitting]
         superseded = [a.path.name for a in fitting if a.superseded]
+        profiled = [p.path.name for p in shipped_profiles() if p.fingerprint == fingerprint]
         listed = [a.path.name + (" (superseded: the allocator runs at its bytes)" if a.superseded else "") for a in fitting]
         fields = fingerprint_fields(config)
         try:  # the model type and its attention features, as patch_model checks them
@@ -376,10 +399,12 @@ def _info(args) -> int:
             [f"{args.model}", f"  config fingerprint: {fingerprint}", f"  supported by hqekv: {said}"]
             + [f"  {k}: {v}" for k, v in fields.items()]
             + [f"  shipped artifacts: {', '.join(listed) or 'none'}"]
+            + [f"  shipped layer profile: {', '.join(profiled) or 'none'}"]
         )
         records.append(("model", text, {"model": args.model, "config_fingerprint": fingerprint,
                                         "supported": supported, "unsupported_because": unsupported, **fields,
-                                        "shipped_artifacts": shipped, "superseded_artifacts": superseded}))  # fmt: skip
+                                        "shipped_artifacts": shipped, "superseded_artifacts": superseded,
+                                        "shipped_profiles": profiled}))  # fmt: skip
     if args.json:
         print(json.dumps([r[2] for r in records], indent=1))
     else:
@@ -388,9 +413,15 @@ def _info(args) -> int:
 
 
 def _push(args) -> int:
-    from .artifacts import push_artifacts
+    from .artifacts import PROFILE_SUFFIX, push_artifacts
+    from .profiles import load_profile
 
-    url = push_artifacts(args.paths, args.repo, token=args.token, private=args.private)
+    profiles = [load_profile(p) for p in args.paths if str(p).endswith(PROFILE_SUFFIX)]
+    ratios = [p for p in args.paths if not str(p).endswith(PROFILE_SUFFIX)]
+    extra = [(p.path, f"Layer profile of `{p.metadata['model_id']}`: `patch_model` splits the allocator's budget over "
+              "the layers by it. Per-layer budgets at bavg 2: " + ", ".join(f"{b:.2f}" for b in p.layer_bits(2.0)))
+             for p in profiles]  # fmt: skip
+    url = push_artifacts(ratios, args.repo, token=args.token, private=args.private, extra=extra)
     print(f"pushed {len(args.paths)} artifact(s) to {url}")
     return 0
 
@@ -410,7 +441,9 @@ def check_args(args) -> None:
     if getattr(args, "threads", None) is not None:
         positive("threads", args.threads)
     if args.command == "calibrate":
-        for b in args.bavg:
+        if not args.bavg and not args.profile:
+            raise ValueError("give --bavg (a search per budget), --profile (the layer profile), or both")
+        for b in args.bavg or ():
             check_bavg(b)
         for name in ("trials", "segments", "continuation_tokens"):
             positive(name, getattr(args, name))

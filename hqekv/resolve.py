@@ -64,12 +64,12 @@ def resolve_config(model, bavg=None, ratios=None, artifact=None, key_ratios=None
             what = "chooses tiers by itself" if ratios == "auto" else "takes an artifact's shares"
             raise ValueError(f"ratios={ratios!r} {what}: key_ratios= and layer_ratios= do not apply")
         if ratios == "auto":
-            if bavg is None and settings.get("layer_bits") is not None:  # the mean of the layers' own budgets
-                layer_bits = coerce_layer_bits(settings["layer_bits"])
-                bavg = sum(layer_bits) / len(layer_bits)
-            elif bavg is None:
-                bavg = DEFAULT_BAVG
-            return budget_config(bavg, **settings)
+            if settings.get("layer_bits") is not None:
+                if bavg is None:  # the mean of the layers' own budgets
+                    layer_bits = coerce_layer_bits(settings["layer_bits"])
+                    bavg = sum(layer_bits) / len(layer_bits)
+                return budget_config(bavg, **settings)
+            return _allocator(model, DEFAULT_BAVG if bavg is None else bavg, "rate-distortion", settings)
         ratios = None
     if ratios is not None:
         ratios = TierRatios.coerce(ratios)
@@ -106,12 +106,7 @@ def resolve_config(model, bavg=None, ratios=None, artifact=None, key_ratios=None
             return config
         bits = allocation.ratio_bits(config, head_dim_of(model), model.dtype)
         source = f"rate-distortion at the bytes of shipped:{shipped.path.name}"
-        sensitivity = shipped.metadata.get("layer_sensitivity")
-        if sensitivity is None:
-            return budget_config(bits, source=source, **settings)
-        layer_bits = allocation.split_budget(bits, sensitivity, allocation.LAYER_STRENGTH)
-        return budget_config(bits, source=f"{source}, split over its layers by their sensitivity", layer_bits=layer_bits,
-                             **settings)  # fmt: skip
+        return _allocator(model, bits, source, settings, shipped.metadata.get("layer_sensitivity"))
     if calibrated:
         raise artifacts.ArtifactError(
             f"ratios='calibrated': no calibrated artifact for {name!r} at bavg={bavg:g} with these settings (looked "
@@ -119,6 +114,9 @@ def resolve_config(model, bavg=None, ratios=None, artifact=None, key_ratios=None
         )
     if bavg >= MAX_BAVG:  # 16 bits: nothing to allocate, every chunk stays full precision
         return HqeKVConfig(ratios=FP16_RATIOS, bavg=bavg, ratios_source="full precision", **settings)
+    config = _allocator(model, bavg, "rate-distortion", settings)
+    if config.layer_bits is not None:  # a layer profile: measured for this model, nothing to warn of
+        return config
     warnings.warn(
         f"hqekv: no calibrated ratios for {name!r} at bavg={bavg:g} (looked in {_looked_in(name)}); the rate-distortion "
         f"allocator chooses the tiers (ratios='auto': {bavg:g} real bits per element of chunk storage, metadata "
@@ -127,7 +125,30 @@ def resolve_config(model, bavg=None, ratios=None, artifact=None, key_ratios=None
         UncalibratedRatiosWarning,
         stacklevel=3,
     )
-    return budget_config(bavg, **settings)
+    return config
+
+
+def _allocator(model, bavg: float, source: str, settings: dict, sensitivity=None) -> HqeKVConfig:
+    """The rate-distortion allocator at ``bavg``: each layer at its own budget, split by the
+    model's layer profile (:func:`hqekv.profiles.find_profile`) or else by ``sensitivity``
+    (a superseded artifact's ``layer_sensitivity``) at :data:`hqekv.allocation.LAYER_STRENGTH`;
+    with neither, one budget the layers share."""
+    from . import allocation, artifacts, profiles
+    from .patches.base import sliding_windows
+
+    matched = {k: settings.get(k, DEFAULTS[k]) for k in artifacts.MATCHED_SETTINGS}
+    name = getattr(model.config, "_name_or_path", "") or model.config.model_type
+    profile = profiles.find_profile(name, artifacts.model_fingerprint(model), matched)
+    if profile is not None:
+        profiles.check_profile(profile, profile.fingerprint, matched,
+                               sliding_windows(model.config.get_text_config()).count(None))  # fmt: skip
+        sensitivity, source = profile.sensitivity, f"{source}, each layer at its own budget from the layer profile {profile.path}"
+    elif sensitivity is not None:
+        source = f"{source}, split over its layers by their sensitivity"
+    else:
+        return budget_config(bavg, source=source, **settings)
+    layer_bits = allocation.split_budget(bavg, sensitivity, allocation.LAYER_STRENGTH)
+    return budget_config(bavg, source=source, layer_bits=layer_bits, **settings)
 
 
 def _looked_in(name: str) -> str:

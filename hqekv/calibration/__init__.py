@@ -4,10 +4,14 @@
 - ``objective.py``: what a trial scores, the KL of the compressed model's next-token
   distributions on a continuation, from a context prefilled once;
 - ``layer_budgets.py``: per-layer budgets from each layer's sensitivity;
-- ``study.py``: the study, its result and cost, :func:`calibrate` and :func:`split_artifact`.
+- ``study.py``: the study, its result and cost, :func:`calibrate` and :func:`split_artifact`;
+- ``profile.py``: :func:`measure_profile`, the layer profile the allocator splits budgets by.
 """
 
-from .layer_budgets import LAYER_STRENGTHS, LayerBudgets, layer_budgets, layer_sensitivity, ratios_at, split_budget
+from .layer_budgets import (
+    LAYER_STRENGTHS, PROFILE_BITS, LayerBudgets, allocator_sensitivity, layer_budgets, layer_sensitivity, ratios_at,
+    split_budget,
+)  # fmt: skip
 from .objective import (
     ALPHA,
     BETA,
@@ -25,6 +29,7 @@ from .objective import (
     segment_kls,
     trial_layer,
 )
+from .profile import measure_profile
 from .search_space import one_bit_range, ratios_from_free, search_box, shift_box, split_ratios_from_free
 from .study import (
     DEFAULT_SEGMENTS,
@@ -41,9 +46,9 @@ from .study import (
 
 __all__ = [
     "ALPHA", "BETA", "CALIBRATION_TOKENS", "CONTEXT_TOKENS", "CONTINUATION_TOKENS", "DEFAULT_SEGMENTS",
-    "DEFAULT_TRIALS", "KL_FLOOR", "KL_SCALES", "LAYER_STRENGTHS", "SEARCH_ROTATION", "CalibrationResult",
-    "CompressionObjective", "LayerBudgets", "SegmentedObjective", "calibrate", "calibration_cost", "context_length",
-    "data_term", "layer_budgets", "layer_sensitivity", "mean_kl", "one_bit_range", "ratios_at", "ratios_from_free",
+    "DEFAULT_TRIALS", "KL_FLOOR", "KL_SCALES", "LAYER_STRENGTHS", "PROFILE_BITS", "SEARCH_ROTATION", "CalibrationResult",
+    "CompressionObjective", "LayerBudgets", "SegmentedObjective", "allocator_sensitivity", "calibrate", "calibration_cost", "context_length",
+    "data_term", "layer_budgets", "layer_sensitivity", "mean_kl", "measure_profile", "one_bit_range", "ratios_at", "ratios_from_free",
     "reference_style_kl", "run_study", "search_box", "segment_kls", "shift_box", "split_artifact", "split_budget",
     "split_ratios_from_free", "study_name", "study_result", "trial_layer",
 ]  # fmt: skip

@@ -79,6 +79,28 @@ def layer_sensitivity(objective, ratios: TierRatios) -> list[float]:
     return out
 
 
+PROFILE_BITS = 1.0
+"""The budget at which :func:`allocator_sensitivity` measures a layer profile: low enough
+that every layer's loss is well above the noise of a short continuation."""
+
+
+def allocator_sensitivity(objective, bits: float = PROFILE_BITS) -> list[float]:
+    """Mean KL with compressed layer l alone under the rate-distortion allocator at ``bits``
+    (its own budget) and every other layer FP16, per layer, over the objective's segments.
+
+    What ``patch_model(model, ratios="auto", layer_bits=...)`` needs to split any budget
+    (:func:`hqekv.allocation.split_budget`). Per segment it costs one compressed prefill
+    and one continuation forward per layer (:meth:`CompressionObjective.allocator_layers`),
+    not one prefill per layer.
+    """
+    parts = getattr(objective, "parts", [objective])
+    total = [0.0] * objective.n_layers
+    for part in parts:
+        for i, kl in enumerate(part.layer_kls(part.allocator_layers(bits))):
+            total[i] += kl / len(parts)
+    return total
+
+
 def layer_budgets(
     objective,
     ratios: TierRatios,

@@ -22,7 +22,7 @@ import torch
 from ..cache import HqeKVCache, HqeKVLayer, SlidingWindowLayer, rerank
 from ..cache.pools import KEY, VALUE, QuantizedPool, encode_chunks
 from ..allocation import KL_FLOOR
-from ..config import CACHE_SETTINGS, FP16_RATIOS, HqeKVConfig, TierRatios
+from ..config import CACHE_SETTINGS, FP16_RATIOS, HqeKVConfig, TierRatios, budget_config
 from ..tiers import FP16, QUANTIZED_TIERS
 
 
@@ -208,10 +208,55 @@ class CompressionObjective:
         return cache
 
     def _log_probs(self, ratios: TierRatios, key_ratios: TierRatios | None = None, layer_ratios=None) -> torch.Tensor:
-        cache = self.compressed_cache(ratios, key_ratios, layer_ratios)
+        return self._forward(self.compressed_cache(ratios, key_ratios, layer_ratios))
+
+    def _forward(self, cache: HqeKVCache) -> torch.Tensor:
+        """Log-probabilities (L, V) of the continuation over ``cache``."""
         with _patched(self.model, self.settings), torch.no_grad():
             logits = self.model(self.continuation, cache=cache, use_cache=True).logits
         return torch.log_softmax(logits[0].float(), dim=-1)
+
+    def _kl_of(self, log_probs: torch.Tensor) -> float:
+        kl = mean_kl(self.reference, log_probs)
+        if not math.isfinite(kl):
+            raise FloatingPointError("the compressed model produced non-finite logits on the calibration text")
+        return kl
+
+    def allocator_layers(self, bits: float) -> list[HqeKVLayer]:
+        """Each compressed layer as the rate-distortion allocator (``ratios="auto"``) leaves it
+        right after a prefill of the context with ``bits`` real bits per element for that
+        layer alone (``layer_bits``: no budget moves between layers), ready to score
+        (:meth:`layer_kls`).
+
+        One compressed prefill serves every layer: the prefill attends over exact K/V, so
+        each layer's input, and with it the chunks it keeps, is the one it gets when it is
+        the only compressed layer.
+        """
+        from ..transformers_internals import cache_for
+
+        config = budget_config(bits, layer_bits=[float(bits)] * self.n_layers, **self.settings)
+        with _patched(self.model, self.settings), torch.no_grad():
+            cache = cache_for(config, self.model)
+            self.model(self.context, cache=cache, use_cache=True, logits_to_keep=1)
+            cache.share_budget()  # each layer settles its choices within its own budget
+        out = []
+        for layer in cache.hqekv_layers:
+            layer.config = self._trial_config  # scoring never re-ranks, as for a trial's layers
+            out.append(layer)
+        return out
+
+    def layer_kls(self, layers: Sequence[HqeKVLayer]) -> list[float]:
+        """For each compressed layer j, the mean KL when ``layers[j]`` holds that layer and
+        every other layer is FP16 (one continuation forward per layer)."""
+        if len(layers) != self.n_layers:
+            raise ValueError(f"{len(layers)} layers for {self.n_layers} compressed layers")
+        slots = [i for i, layer in enumerate(self.base.layers) if isinstance(layer, HqeKVLayer)]
+        out = []
+        for slot, layer in zip(slots, layers):
+            cache = self.compressed_cache(FP16_RATIOS)
+            cache.layers[slot] = layer.copy()  # the continuation's forward appends to it
+            out.append(self._kl_of(self._forward(cache)))
+        return out
 
     def kl(self, ratios: TierRatios | Sequence[float] | dict, key_ratios=None, layer_ratios=None) -> float:
         """Mean KL(FP16 ‖ compressed) of the next-token distributions at the same positions.
@@ -222,10 +267,7 @@ class CompressionObjective:
         fix: both distributions are taken at the same continuation positions (the reference
         code compares position t with t+1).
         """
-        kl = mean_kl(self.reference, self._log_probs(TierRatios.coerce(ratios), key_ratios, layer_ratios))
-        if not math.isfinite(kl):
-            raise FloatingPointError("the compressed model produced non-finite logits on the calibration text")
-        return kl
+        return self._kl_of(self._log_probs(TierRatios.coerce(ratios), key_ratios, layer_ratios))
 
     def loss(self, ratios, alpha: float = ALPHA, beta: float = BETA, kl_scale: str = "log") -> float:
         """Objective: data term of the KL (:func:`data_term`) + α·δ3 + β·δ4 (SPEC §1.5)."""
