@@ -45,7 +45,7 @@ def patch_model(
     ratios: TierRatios | tuple | dict | str | None = None,
     key_ratios: TierRatios | tuple | dict | None = None,
     layer_ratios: Sequence[TierRatios | tuple | dict] | None = None,
-    layer_bits: Sequence[float] | None = None,
+    layer_bits: Sequence[float] | str | None = None,
     artifact: str | Path | None = None,
     chunk_size: int = 32,
     window: int = 20,
@@ -80,11 +80,13 @@ def patch_model(
         Per-layer budgets, one set of shares per global attention layer, for keys and values
         (:class:`hqekv.HqeKVConfig`); needs ``ratios`` (the shares they were split from), and
         ``bavg`` is their mean. Artifacts of ``hqekv calibrate --per-layer`` carry them.
-    layer_bits : sequence of float, optional
+    layer_bits : sequence of float or "shared", optional
         With ``ratios="auto"``: each global attention layer's own budget in real bits per
         element, averaging ``bavg``; the layers then do not share one budget
         (:class:`hqekv.HqeKVConfig`). :func:`hqekv.allocation.split_budget` makes them from
-        measured per-layer sensitivities.
+        measured per-layer sensitivities. By default the allocator takes them from the
+        model's layer profile where one is found (:mod:`hqekv.profiles`, ``hqekv calibrate
+        --profile``), else the layers share one budget; ``"shared"`` insists on that.
     artifact : path or Hub repo id, optional
         Calibrated ratios (:mod:`hqekv.artifacts`): a ``.safetensors`` file, a directory or a
         Hub repo id holding one per bavg. With ``bavg`` None, a file's bavg is used, or a
@@ -127,6 +129,13 @@ def patch_model(
             f"{len(layer_ratios)} layer_ratios for a {text_config.model_type} model with {n_global} global attention "
             "layers: give one set of shares per global attention layer"
         )
+    profile = True
+    if isinstance(layer_bits, str):
+        if layer_bits != "shared":
+            raise ValueError(f"layer_bits must be one budget per global attention layer or 'shared', got {layer_bits!r}")
+        if not (isinstance(ratios, str) and ratios == "auto"):
+            raise ValueError("layer_bits='shared' is a choice of the rate-distortion allocator: pass ratios='auto' with it")
+        profile, layer_bits = False, None
     if layer_bits is not None:
         if not (isinstance(ratios, str) and ratios == "auto"):
             raise ValueError("layer_bits= are budgets of the rate-distortion allocator: pass ratios='auto' with them")
@@ -158,6 +167,7 @@ def patch_model(
         importance=importance,
         chunked_prefill=chunked_prefill,
         **({} if layer_bits is None else {"layer_bits": layer_bits}),
+        **({} if profile else {"profile": False}),
     )
     if head_dim % min(config.value_group, head_dim):
         raise ValueError(

@@ -29,7 +29,7 @@ def check_causal_lm(model) -> None:
         raise TypeError(f"patch_model supports decoder-only causal LMs, got encoder-decoder {type(model).__name__}")
 
 
-def resolve_config(model, bavg=None, ratios=None, artifact=None, key_ratios=None, layer_ratios=None,
+def resolve_config(model, bavg=None, ratios=None, artifact=None, key_ratios=None, layer_ratios=None, profile=True,
                    **settings) -> HqeKVConfig:  # fmt: skip
     """Ratios in order (SPEC §2): explicit ``ratios`` (and ``key_ratios`` or ``layer_ratios``); ``artifact`` (file,
     directory or Hub repo id); an artifact of the user's own, then one shipped in the package,
@@ -40,7 +40,9 @@ def resolve_config(model, bavg=None, ratios=None, artifact=None, key_ratios=None
     the allocator at the real bytes the artifact's shares spend (:func:`hqekv.allocation.ratio_bits`);
     where the artifact measured its layers' sensitivity (``layer_sensitivity``), each layer
     gets its own budget split from it (``layer_bits``, :data:`hqekv.allocation.LAYER_STRENGTH`).
-    ``ratios="calibrated"`` insists on an artifact (own or shipped, superseded or not) and
+    Wherever the allocator runs without ``layer_bits``, the model's layer profile
+    (:func:`hqekv.profiles.find_profile`) splits its budget first; ``profile=False``
+    (``layer_bits="shared"``) keeps one budget the layers share. ``ratios="calibrated"`` insists on an artifact (own or shipped, superseded or not) and
     raises :class:`hqekv.artifacts.ArtifactError` when there is none."""
     from . import allocation, artifacts
 
@@ -69,7 +71,10 @@ def resolve_config(model, bavg=None, ratios=None, artifact=None, key_ratios=None
                     layer_bits = coerce_layer_bits(settings["layer_bits"])
                     bavg = sum(layer_bits) / len(layer_bits)
                 return budget_config(bavg, **settings)
-            return _allocator(model, DEFAULT_BAVG if bavg is None else bavg, "rate-distortion", settings)
+            bavg = DEFAULT_BAVG if bavg is None else bavg
+            if not profile:
+                return budget_config(bavg, source="rate-distortion, one budget the layers share", **settings)
+            return _allocator(model, bavg, "rate-distortion", settings)
         ratios = None
     if ratios is not None:
         ratios = TierRatios.coerce(ratios)

@@ -99,6 +99,21 @@ def test_patch_model_splits_the_allocators_budget_by_the_models_profile(own_arti
             hqekv.unpatch_model(tiny)
             assert config.layer_bits == pytest.approx(expected) and config.bavg == 2.0
             assert "layer profile" in config.ratios_source and str(own_artifacts) in config.ratios_source
+    hqekv.patch_model(tiny, 2.0, ratios="auto", layer_bits="shared")  # one budget, the profile set aside
+    config = hqekv.patch_config(tiny)
+    hqekv.unpatch_model(tiny)
+    assert config.layer_bits is None and "share" in config.ratios_source
+    from hqekv.eval import parse_method
+
+    with parse_method("shared:2").applied(tiny) as config:
+        assert config.layer_bits is None and config.allocation == "rate-distortion"
+    with parse_method("auto:2").applied(tiny) as config:
+        assert config.layer_bits == pytest.approx(expected)
+    with pytest.raises(ValueError, match="pass ratios='auto'"):
+        hqekv.patch_model(tiny, 2.0, layer_bits="shared")
+    with pytest.raises(ValueError, match="or 'shared'"):
+        hqekv.patch_model(tiny, 2.0, ratios="auto", layer_bits="split")
+    assert not hqekv.is_patched(tiny)
     hqekv.patch_model(tiny, 2.0, ratios="auto", layer_bits=[1.0, 3.0])  # the user's own budgets win
     assert hqekv.patch_config(tiny).layer_bits == (1.0, 3.0)
     hqekv.unpatch_model(tiny)
