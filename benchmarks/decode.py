@@ -12,7 +12,9 @@ SmolLM2's 8192 positions. Rows:
 - ``dynamic_cache``: the unpatched model, eager — the baseline of every ratio;
 - ``hqekv`` per bavg: the patched model, eager; ``auto:B`` is ``patch_model(model, B,
   ratios="auto")``, the rate-distortion allocator (its re-ranks cost more: the seconds spent
-  re-ranking per re-rank of a layer, ``rerank_ms``, are reported for every bavg);
+  re-ranking per re-rank of a layer, ``rerank_ms``, are reported for every bavg), each layer
+  at its own budget where the model's layer profile splits it; ``shared:B`` the allocator
+  with one budget the layers share (``layer_bits="shared"``);
 - ``hqekv_compiled`` per bavg: ``generate(..., compile_config=CompileConfig(fullgraph=True))``,
   the decode step compiled by transformers as one whole graph (compiled once on a short
   prompt before timing; the compile time is reported apart);
@@ -71,11 +73,15 @@ def loop(model, ids, new_tokens):
 
 
 def patch(model, bavg):
-    """``bavg`` a number (shipped or fallback ratios) or ``"auto:B"`` (the rate-distortion allocator)."""
+    """``bavg`` a number (shipped or fallback ratios), ``"auto:B"`` (the rate-distortion allocator,
+    each layer at its own budget where a layer profile splits it) or ``"shared:B"`` (the
+    allocator with one budget its layers share)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", hqekv.UncalibratedRatiosWarning)
         if str(bavg).startswith("auto:"):
             hqekv.patch_model(model, bavg=float(bavg[5:]), ratios="auto")
+        elif str(bavg).startswith("shared:"):
+            hqekv.patch_model(model, bavg=float(bavg[7:]), ratios="auto", layer_bits="shared")
         else:
             hqekv.patch_model(model, bavg=float(bavg))
 
@@ -190,7 +196,8 @@ def main():
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8128])
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--bavg", nargs="+", default=["2", "3.2"],
-                        help="bits per element: B (shipped or fallback ratios) or auto:B (ratios='auto')")
+                        help="bits per element: B (shipped or fallback ratios), auto:B (ratios='auto') or shared:B "
+                        "(ratios='auto', layer_bits='shared')")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--no-compile", action="store_true", help="skip the compiled runs")
     parser.add_argument("--repeats", type=int, default=3, help="passes over every configuration, the best kept")

@@ -102,3 +102,26 @@ def test_cli_info_on_the_model_lists_its_shipped_artifacts(capsys):
         f"smollm2-135m-instruct-bavg{b}.safetensors" for b in ("2", "2.8", "3.2", "3.25")
     )
     assert record["superseded_artifacts"] == []  # SmolLM2's artifacts stay its default
+
+
+def test_cli_profile_writes_what_patch_model_splits_the_allocator_by(smollm2, own_artifacts, monkeypatch):
+    """`hqekv calibrate --profile` on the real model: a profile per layer, found by patch_model."""
+    from hqekv import cli, packaged_models, profiles
+
+    model, tok = smollm2
+    monkeypatch.setattr(packaged_models, "load_model", lambda *a, **k: (model, tok, "HuggingFaceTB/SmolLM2-135M-Instruct"))
+    argv = ["calibrate", "--model", "smollm2", "--profile", "--context-tokens", "448", "--continuation-tokens", "64",
+            "--segments", "1", "--no-progress"]  # fmt: skip
+    assert cli.main(argv) == 0
+    profile = profiles.load_profile(own_artifacts / "smollm2-135m-instruct-layers.safetensors")
+    assert len(profile.sensitivity) == 30 and min(profile.sensitivity) > 0
+    assert max(profile.sensitivity) > 10 * min(profile.sensitivity)  # the layers differ by orders of magnitude
+    hqekv.patch_model(model, 1.5)  # no artifact at 1.5: the allocator, split by the profile
+    try:
+        config = hqekv.patch_config(model)
+        assert config.layer_bits == pytest.approx(profile.layer_bits(1.5)) and "layer profile" in config.ratios_source
+        text, passkey = passkey_prompt(tok, 1000, depth=0.75, seed=2)
+        inputs = tok(text, return_tensors="pt")
+        assert _generate(model, inputs, 3).shape[1] == inputs.input_ids.shape[1] + 3
+    finally:
+        hqekv.unpatch_model(model)
