@@ -23,9 +23,9 @@ from pathlib import Path
 import torch
 
 from .allocation import LAYER_STRENGTH, split_budget
+from . import artifacts
 from .artifacts import (
-    FIELD_CHECKS, MATCHED_SETTINGS, PROFILE_SUFFIX, SHIPPED_DIR, ArtifactError, ArtifactWarning, hub_cached,
-    artifact_slug, hub_repo,
+    FIELD_CHECKS, MATCHED_SETTINGS, PROFILE_SUFFIX, ArtifactError, ArtifactWarning, artifact_slug, hub_cached, hub_repo,
 )  # fmt: skip
 from .user_cache import atomic_write
 
@@ -155,7 +155,7 @@ def _directory_profiles(directory: Path) -> list[LayerProfile]:
 
 def shipped_profiles() -> list[LayerProfile]:
     """The layer profiles shipped inside the package."""
-    return [load_profile(p) for p in sorted(SHIPPED_DIR.glob(f"*{PROFILE_SUFFIX}"))]
+    return [load_profile(p) for p in sorted(artifacts.SHIPPED_DIR.glob(f"*{PROFILE_SUFFIX}"))]
 
 
 def find_profile(model_id: str, fingerprint: str, settings: dict) -> LayerProfile | None:
@@ -166,7 +166,7 @@ def find_profile(model_id: str, fingerprint: str, settings: dict) -> LayerProfil
     from .user_cache import artifacts_dir
 
     repo = hub_repo(model_id)
-    for directory in (artifacts_dir(), hub_cached(repo) if repo else None, SHIPPED_DIR):
+    for directory in (artifacts_dir(), hub_cached(repo) if repo else None, artifacts.SHIPPED_DIR):
         if directory is None or not directory.is_dir():
             continue
         for profile in _directory_profiles(directory):

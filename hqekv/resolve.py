@@ -134,24 +134,25 @@ def resolve_config(model, bavg=None, ratios=None, artifact=None, key_ratios=None
 
 
 def _allocator(model, bavg: float, source: str, settings: dict, sensitivity=None) -> HqeKVConfig:
-    """The rate-distortion allocator at ``bavg``: each layer at its own budget, split by the
-    model's layer profile (:func:`hqekv.profiles.find_profile`) or else by ``sensitivity``
-    (a superseded artifact's ``layer_sensitivity``) at :data:`hqekv.allocation.LAYER_STRENGTH`;
-    with neither, one budget the layers share."""
+    """The rate-distortion allocator at ``bavg``: each layer at its own budget, split at
+    :data:`hqekv.allocation.LAYER_STRENGTH` by ``sensitivity`` (a superseded artifact's
+    ``layer_sensitivity``, the split its supersession was measured with) or else by the
+    model's layer profile (:func:`hqekv.profiles.find_profile`); with neither, one budget
+    the layers share."""
     from . import allocation, artifacts, profiles
     from .patches.base import sliding_windows
 
-    matched = {k: settings.get(k, DEFAULTS[k]) for k in artifacts.MATCHED_SETTINGS}
-    name = getattr(model.config, "_name_or_path", "") or model.config.model_type
-    profile = profiles.find_profile(name, artifacts.model_fingerprint(model), matched)
-    if profile is not None:
+    if sensitivity is not None:
+        source = f"{source}, split over its layers by their sensitivity"
+    else:
+        matched = {k: settings.get(k, DEFAULTS[k]) for k in artifacts.MATCHED_SETTINGS}
+        name = getattr(model.config, "_name_or_path", "") or model.config.model_type
+        profile = profiles.find_profile(name, artifacts.model_fingerprint(model), matched)
+        if profile is None:
+            return budget_config(bavg, source=source, **settings)
         profiles.check_profile(profile, profile.fingerprint, matched,
                                sliding_windows(model.config.get_text_config()).count(None))  # fmt: skip
         sensitivity, source = profile.sensitivity, f"{source}, each layer at its own budget from the layer profile {profile.path}"
-    elif sensitivity is not None:
-        source = f"{source}, split over its layers by their sensitivity"
-    else:
-        return budget_config(bavg, source=source, **settings)
     layer_bits = allocation.split_budget(bavg, sensitivity, allocation.LAYER_STRENGTH)
     return budget_config(bavg, source=source, layer_bits=layer_bits, **settings)
 

@@ -260,6 +260,19 @@ def test_a_superseded_artifact_that_measured_its_layers_splits_the_allocator_s_b
     assert config.layer_bits[0] > bits > config.layer_bits[1]
     assert config.ratios_source == f"rate-distortion at the bytes of shipped:{path.name}, split over its layers by their sensitivity"
     assert "spend, each layer at a budget split by layer_sensitivity;" in load_artifact(path).describe()
+    from hqekv import profiles
+
+    profile = [0.0001, 0.004]  # a layer profile says the opposite: the artifact's own split, measured with it, wins
+    meta = {k: v for k, v in metadata(model).items() if k not in ("bavg", "alpha", "beta", "trials", "best_loss")}
+    profiles.save_profile(tmp_path, profile, {**meta, "bits": 1.0})
+    hqekv.patch_model(model, 2.0)
+    assert hqekv.patch_config(model).layer_bits == pytest.approx(config.layer_bits)
+    hqekv.unpatch_model(model)
+    save_artifact(path, RATIOS, metadata(model))  # superseded without sensitivities: the profile splits
+    hqekv.patch_model(model, 2.0)
+    assert hqekv.patch_config(model).layer_bits == pytest.approx(split_budget(bits, profile, hqekv.allocation.LAYER_STRENGTH))
+    assert "layer profile" in hqekv.patch_config(model).ratios_source
+    hqekv.unpatch_model(model)
     monkeypatch.setattr(artifacts, "SUPERSEDED", ())  # not superseded: the artifact's own shares
     hqekv.patch_model(model, 2.0)
     assert hqekv.patch_config(model).layer_bits is None and hqekv.patch_config(model).ratios == RATIOS
