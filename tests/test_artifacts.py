@@ -328,6 +328,18 @@ def test_shipped_artifacts_are_valid():
         assert a.metadata["kl_scale"] == "log" and a.metadata["value_group"] == 64
 
 
+def test_shipped_profiles_are_valid_and_each_fits_a_shipped_model():
+    from hqekv import profiles
+
+    shipped = profiles.shipped_profiles()
+    assert shipped, "no layer profile ships"
+    fingerprints = {load_artifact(p).fingerprint for p in artifacts.shipped_artifacts()}
+    for profile in shipped:
+        assert profile.fingerprint in fingerprints and profile.metadata["bits"] == 1.0
+        assert profile.metadata["segments"] == 4 and profile.metadata["value_group"] == 64
+        assert min(profile.sensitivity) > 0 and max(profile.sensitivity) > 5 * min(profile.sensitivity)
+
+
 def test_cli_info(saved, capsys):
     assert main(["info", str(saved)]) == 0
     out = capsys.readouterr().out

@@ -1,5 +1,7 @@
 """End to end on SmolLM2-135M-Instruct (real weights, CPU reference path)."""
 
+import warnings
+
 import pytest
 import torch
 
@@ -125,3 +127,20 @@ def test_cli_profile_writes_what_patch_model_splits_the_allocator_by(smollm2, ow
         assert _generate(model, inputs, 3).shape[1] == inputs.input_ids.shape[1] + 3
     finally:
         hqekv.unpatch_model(model)
+
+
+def test_the_shipped_profile_splits_the_allocator_where_no_artifact_is(smollm2):
+    from hqekv import profiles
+
+    model, _ = smollm2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # measured for this model: no UncalibratedRatiosWarning
+        hqekv.patch_model(model, 1.0)
+    config = hqekv.patch_config(model)
+    hqekv.unpatch_model(model)
+    (profile,) = [p for p in profiles.shipped_profiles() if "smollm2" in p.path.name]
+    assert config.allocation == "rate-distortion" and config.layer_bits == pytest.approx(profile.layer_bits(1.0))
+    assert config.ratios_source.endswith(f"layer profile {profile.path}")
+    hqekv.patch_model(model, 2.0)  # where an artifact ships, it stays the default
+    assert hqekv.patch_config(model).ratios_source.startswith("shipped:")
+    hqekv.unpatch_model(model)
