@@ -125,8 +125,9 @@ def resolve_config(model, bavg=None, ratios=None, artifact=None, key_ratios=None
     warnings.warn(
         f"hqekv: no calibrated ratios for {name!r} at bavg={bavg:g} (looked in {_looked_in(name)}); the rate-distortion "
         f"allocator chooses the tiers (ratios='auto': {bavg:g} real bits per element of chunk storage, metadata "
-        "included). Run `hqekv calibrate --model ...` (patch_model then finds its artifact by itself), pass "
-        "artifact=... or ratios=... to use calibrated or fixed shares.",
+        "included), one budget its layers share. Run `hqekv calibrate --model ... --profile` (minutes: each layer "
+        "then gets its own share of any budget) or `--bavg B` (a search for calibrated shares); patch_model finds "
+        "what it writes by itself. Or pass artifact=... or ratios=... to use calibrated or fixed shares.",
         UncalibratedRatiosWarning,
         stacklevel=3,
     )
