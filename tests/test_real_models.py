@@ -45,6 +45,8 @@ def test_fp16_ratios_reproduce_and_a_pass_key_survives_bavg_3_2(name, request):
         superseded = name == "gemma3"
         assert config.ratios_source.startswith("rate-distortion at the bytes of shipped:" if superseded else "shipped:")
         assert (config.allocation == "rate-distortion") == superseded
+        if superseded:  # no layer_sensitivity in the artifact: its shipped layer profile splits the budget
+            assert "layer profile" in config.ratios_source and len(config.layer_bits) == 3
         cache = hqekv.new_cache(model)
         out = _generate(model, inputs, 12, cache=cache)
     finally:
