@@ -148,11 +148,12 @@ def _allocator(model, bavg: float, source: str, settings: dict, sensitivity=None
     else:
         matched = {k: settings.get(k, DEFAULTS[k]) for k in artifacts.MATCHED_SETTINGS}
         name = getattr(model.config, "_name_or_path", "") or model.config.model_type
-        profile = profiles.find_profile(name, artifacts.model_fingerprint(model), matched)
+        fingerprint = artifacts.model_fingerprint(model)
+        profile = profiles.find_profile(name, fingerprint, matched)
         if profile is None:
             return budget_config(bavg, source=source, **settings)
-        profiles.check_profile(profile, profile.fingerprint, matched,
-                               sliding_windows(model.config.get_text_config()).count(None))  # fmt: skip
+        # found for this architecture, so a count of layers other than its own is a defect, not a miss
+        profiles.check_profile(profile, fingerprint, matched, sliding_windows(model.config.get_text_config()).count(None))
         sensitivity, source = profile.sensitivity, f"{source}, each layer at its own budget from the layer profile {profile.path}"
     layer_bits = allocation.split_budget(bavg, sensitivity, allocation.LAYER_STRENGTH)
     return budget_config(bavg, source=source, layer_bits=layer_bits, **settings)

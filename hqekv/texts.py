@@ -80,6 +80,16 @@ class CalibrationText:
     articles: tuple[str, ...]
     sha256: str
 
+    def metadata(self) -> dict:
+        """What an artifact or profile records about the text it was made on."""
+        return {
+            "calibration_data": self.description,
+            "calibration_data_sha256": self.sha256,
+            "segments": self.context.shape[0],
+            "context_tokens": self.context.shape[1],
+            "continuation_tokens": self.continuation.shape[1],
+        }
+
     @property
     def description(self) -> str:
         (segments, n), total = self.context.shape, self.context.shape[1] + self.continuation.shape[1]

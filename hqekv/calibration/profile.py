@@ -68,11 +68,7 @@ def measure_profile(
         "config_fingerprint": model_fingerprint(model),
         **{name: getattr(config, name) for name in CACHE_SETTINGS},
         "bits": bits,
-        "calibration_data": text.description,
-        "calibration_data_sha256": text.sha256,
-        "segments": text.context.shape[0],
-        "context_tokens": text.context.shape[1],
-        "continuation_tokens": text.continuation.shape[1],
+        **text.metadata(),
         "library_version": __version__,
         "seconds": round(seconds, 3),
     }
