@@ -40,10 +40,11 @@ def resolve_config(model, bavg=None, ratios=None, artifact=None, key_ratios=None
     the allocator at the real bytes the artifact's shares spend (:func:`hqekv.allocation.ratio_bits`);
     where the artifact measured its layers' sensitivity (``layer_sensitivity``), each layer
     gets its own budget split from it (``layer_bits``, :data:`hqekv.allocation.LAYER_STRENGTH`).
-    Wherever the allocator runs without ``layer_bits``, the model's layer profile
-    (:func:`hqekv.profiles.find_profile`) splits its budget first; ``profile=False``
-    (``layer_bits="shared"``) keeps one budget the layers share. ``ratios="calibrated"`` insists on an artifact (own or shipped, superseded or not) and
-    raises :class:`hqekv.artifacts.ArtifactError` when there is none."""
+    Elsewhere, wherever the allocator runs without ``layer_bits``, the model's layer profile
+    (:func:`hqekv.profiles.find_profile`) splits its budget; ``profile=False``
+    (``layer_bits="shared"``) keeps one budget the layers share. ``ratios="calibrated"``
+    insists on an artifact (own or shipped, superseded or not) and raises
+    :class:`hqekv.artifacts.ArtifactError` when there is none."""
     from . import allocation, artifacts
 
     if bavg is not None:
