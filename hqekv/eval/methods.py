@@ -24,7 +24,8 @@
   (``importance="random"``).
 - ``auto:B``: ``patch_model(model, B, ratios="auto")``: no ratios; every re-rank chooses
   tiers within B *real* bits per element of chunk storage (codes and metadata) by their
-  expected damage to attention (:mod:`hqekv.allocation`).
+  expected damage to attention (:mod:`hqekv.allocation`), each layer at its own share of B
+  where the model's layer profile is found (:mod:`hqekv.profiles`).
 - ``shared:B``: ``patch_model(model, B, ratios="auto", layer_bits="shared")``: the allocator
   with one budget its layers share, even where a layer profile would split it (the
   allocator before layer profiles; the baseline they are measured against).
