@@ -245,41 +245,49 @@ FIELD_CHECKS = {
 """What each required metadata field must hold; :func:`load_artifact` checks them all."""
 
 
-def _check_fields(path: Path, meta: dict) -> None:
-    bad = [f"{k}={meta[k]!r} (must be {what})" for k, (ok, what) in FIELD_CHECKS.items() if not ok(meta[k])]
+def check_fields(path: Path, meta: dict, checks: dict = FIELD_CHECKS) -> None:
+    """Raise :class:`ArtifactError` naming every field of ``meta`` that fails its entry of ``checks``."""
+    bad = [f"{k}={meta[k]!r} (must be {what})" for k, (ok, what) in checks.items() if not ok(meta[k])]
     if bad:
         raise ArtifactError(f"{path}: invalid metadata: {'; '.join(bad)}")
 
 
-def load_artifact(path: Path | str) -> Artifact:
-    """Read and validate an artifact file; any defect raises :class:`ArtifactError`."""
+def read_hqekv_file(path: Path, kind: str, fmt: str, version: int, required, tensors) -> tuple[dict, dict]:
+    """The metadata (values decoded from JSON) and the tensors named ``tensors`` (None where
+    absent) of an hqekv safetensors file of format ``fmt`` at ``version`` holding every
+    ``required`` field; any defect raises :class:`ArtifactError` naming ``kind``."""
     from safetensors import safe_open
 
-    path = Path(path)
     if not path.is_file():
-        raise ArtifactError(f"no hqekv artifact at {path}: file not found")
+        raise ArtifactError(f"no hqekv {kind} at {path}: file not found")
     try:
         with safe_open(str(path), framework="pt") as f:
             raw = f.metadata() or {}
-            tensor = f.get_tensor("ratios") if "ratios" in f.keys() else None
-            key_tensor = f.get_tensor("key_ratios") if "key_ratios" in f.keys() else None
-            layer_tensor = f.get_tensor("layer_ratios") if "layer_ratios" in f.keys() else None
+            found = {name: f.get_tensor(name) if name in f.keys() else None for name in tensors}
     except Exception as err:  # safetensors raises its own error types for bad headers and truncation
         raise ArtifactError(f"{path} is not a readable safetensors file (corrupt or truncated?): {err}") from err
     try:
         meta = {k: json.loads(v) for k, v in raw.items()}
     except json.JSONDecodeError as err:
         raise ArtifactError(f"{path}: corrupt metadata ({err})") from err
-    if meta.get("format") != FORMAT:
-        raise ArtifactError(f"{path} is not an hqekv ratios artifact (format {meta.get('format')!r})")
-    if meta.get("format_version") != FORMAT_VERSION:
-        raise ArtifactError(
-            f"{path} has artifact format version {meta.get('format_version')}; this hqekv reads version {FORMAT_VERSION}"
-        )
-    missing = [k for k in REQUIRED if k not in meta]
+    if meta.get("format") != fmt:
+        raise ArtifactError(f"{path} is not an hqekv {kind} (format {meta.get('format')!r})")
+    if meta.get("format_version") != version:
+        raise ArtifactError(f"{path} has {kind} format version {meta.get('format_version')}; this hqekv reads version "
+                            f"{version}")  # fmt: skip
+    missing = [k for k in required if k not in meta]
     if missing:
         raise ArtifactError(f"{path}: metadata lacks {missing}")
-    _check_fields(path, meta)
+    return meta, found
+
+
+def load_artifact(path: Path | str) -> Artifact:
+    """Read and validate an artifact file; any defect raises :class:`ArtifactError`."""
+    path = Path(path)
+    meta, tensors = read_hqekv_file(path, "ratios artifact", FORMAT, FORMAT_VERSION, REQUIRED,
+                                    ("ratios", "key_ratios", "layer_ratios"))  # fmt: skip
+    tensor, key_tensor, layer_tensor = tensors["ratios"], tensors["key_ratios"], tensors["layer_ratios"]
+    check_fields(path, meta)
 
     def read_ratios(name: str, tensor) -> TierRatios:
         if tensor is None or tensor.shape != (5,) or tensor.dtype != torch.float64:

@@ -25,7 +25,8 @@ import torch
 from .allocation import LAYER_STRENGTH, split_budget
 from . import artifacts
 from .artifacts import (
-    FIELD_CHECKS, MATCHED_SETTINGS, PROFILE_SUFFIX, ArtifactError, ArtifactWarning, artifact_slug, hub_cached, hub_repo,
+    MATCHED_SETTINGS, PROFILE_SUFFIX, ArtifactError, ArtifactWarning, artifact_slug, check_fields, hub_cached, hub_repo,
+    read_hqekv_file,
 )  # fmt: skip
 from .user_cache import atomic_write
 
@@ -35,8 +36,13 @@ REQUIRED = (
     "format", "format_version", "model_id", "config_fingerprint", *MATCHED_SETTINGS, "bits", "calibration_data",
     "calibration_data_sha256", "library_version",
 )  # fmt: skip
-_CHECKED = ("model_id", "config_fingerprint", *MATCHED_SETTINGS, "calibration_data", "calibration_data_sha256",
-            "library_version")  # fmt: skip
+FIELD_CHECKS = {
+    **{k: artifacts.FIELD_CHECKS[k] for k in ("model_id", "config_fingerprint", *MATCHED_SETTINGS, "calibration_data",
+                                              "calibration_data_sha256", "library_version")},
+    "bits": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and 0 < v < 16,
+             "a number in (0, 16)"),
+}  # fmt: skip
+"""What each metadata field of a profile must hold (those it shares with artifacts as they must)."""
 
 
 @dataclass(frozen=True)
@@ -96,31 +102,10 @@ def save_profile(out: Path | str, sensitivity, metadata: dict) -> Path:
 
 def load_profile(path: Path | str) -> LayerProfile:
     """Read and validate a profile file; any defect raises :class:`~hqekv.artifacts.ArtifactError`."""
-    from safetensors import safe_open
-
     path = Path(path)
-    if not path.is_file():
-        raise ArtifactError(f"no hqekv layer profile at {path}: file not found")
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            raw = f.metadata() or {}
-            tensor = f.get_tensor("layer_sensitivity") if "layer_sensitivity" in f.keys() else None
-        meta = {k: json.loads(v) for k, v in raw.items()}
-    except Exception as err:  # safetensors' own errors for bad headers and truncation, or bad JSON
-        raise ArtifactError(f"{path} is not a readable layer profile (corrupt or truncated?): {err}") from err
-    if meta.get("format") != FORMAT:
-        raise ArtifactError(f"{path} is not an hqekv layer profile (format {meta.get('format')!r})")
-    if meta.get("format_version") != FORMAT_VERSION:
-        raise ArtifactError(f"{path} has layer profile format version {meta.get('format_version')}; this hqekv reads "
-                            f"version {FORMAT_VERSION}")  # fmt: skip
-    missing = [k for k in REQUIRED if k not in meta]
-    if missing:
-        raise ArtifactError(f"{path}: metadata lacks {missing}")
-    bad = [f"{k}={meta[k]!r} (must be {what})" for k, (ok, what) in FIELD_CHECKS.items() if k in _CHECKED and not ok(meta[k])]
-    if not (isinstance(meta["bits"], (int, float)) and math.isfinite(meta["bits"]) and 0 < meta["bits"] < 16):
-        bad.append(f"bits={meta['bits']!r} (must be a number in (0, 16))")
-    if bad:
-        raise ArtifactError(f"{path}: invalid metadata: {'; '.join(bad)}")
+    meta, tensors = read_hqekv_file(path, "layer profile", FORMAT, FORMAT_VERSION, REQUIRED, ("layer_sensitivity",))
+    check_fields(path, meta, FIELD_CHECKS)
+    tensor = tensors["layer_sensitivity"]
     if tensor is None or tensor.dim() != 1 or tensor.dtype != torch.float64:
         raise ArtifactError(f"{path}: expected a float64 vector 'layer_sensitivity'")
     sensitivity = _check_sensitivity(tensor.tolist())

@@ -239,11 +239,9 @@ class CompressionObjective:
             cache = cache_for(config, self.model)
             self.model(self.context, cache=cache, use_cache=True, logits_to_keep=1)
             cache.share_budget()  # each layer settles its choices within its own budget
-        out = []
         for layer in cache.hqekv_layers:
             layer.config = self._trial_config  # scoring never re-ranks, as for a trial's layers
-            out.append(layer)
-        return out
+        return cache.hqekv_layers
 
     def layer_kls(self, layers: Sequence[HqeKVLayer]) -> list[float]:
         """For each compressed layer j, the mean KL when ``layers[j]`` holds that layer and

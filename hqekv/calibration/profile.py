@@ -41,7 +41,7 @@ def measure_profile(
     """
     from .. import __version__
     from ..artifacts import model_fingerprint
-    from ..profiles import LayerProfile, save_profile
+    from ..profiles import LayerProfile, load_profile, save_profile
     from ..texts import calibration_text
 
     bits = check_bavg(bits)
@@ -74,6 +74,4 @@ def measure_profile(
     }
     if out is None:
         return LayerProfile(None, tuple(sensitivity), {**metadata, "layer_sensitivity": sensitivity})
-    from ..profiles import load_profile
-
     return load_profile(save_profile(Path(out), sensitivity, metadata))

@@ -71,6 +71,11 @@ def test_profile_round_trips_and_rejects_defects(tmp_path, tiny):
     tampered.write_bytes(save({"layer_sensitivity": torch.tensor([0.01, 0.002], dtype=torch.float64)}, metadata=meta))
     with pytest.raises(ArtifactError, match="disagrees"):
         profiles.load_profile(tampered)
+    for field, value in (("bits", 16.0), ("chunk_size", 0)):
+        bad = profiles.save_profile(tmp_path / f"{field}-layers.safetensors", [0.01, 0.002],
+                                    profile_metadata(tiny, **{field: value}))  # fmt: skip
+        with pytest.raises(ArtifactError, match=f"invalid metadata: {field}="):
+            profiles.load_profile(bad)
     truncated = tmp_path / "cut-layers.safetensors"
     truncated.write_bytes(path.read_bytes()[:50])
     with pytest.raises(ArtifactError, match="corrupt or truncated"):
