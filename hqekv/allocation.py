@@ -112,6 +112,10 @@ NEXT_CHUNK = 0.0
 """A chunk right after another costs at least this share of what its predecessor costs
 (:func:`with_successors`): what the window's queries read, an answer reads on from (an
 ablation, 0 by default: docs/results.md, "Needles the allocator drops")."""
+HEAD_EVICTION = "chunk"
+"""Under ``head_tiers``, what a chunk's KV heads choose apart: "chunk" (the default), their
+tiers, the chunk being evicted for all of them or for none (their eviction distortions
+summed against what their tiers cost); "head", eviction too (an ablation)."""
 KL_FLOOR = 1e-9
 """The least KL a log is taken of (ln(max(KL, KL_FLOOR)) in the calibration's data term, the
 layers' sensitivities in :func:`split_budget`): all-FP16 scores exactly 0 KL."""
@@ -359,6 +363,7 @@ def allocate(
     evictable: torch.Tensor,
     budget: torch.Tensor,
     fixed: torch.Tensor | None = None,
+    group: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V tier of every chunk that minimise the distortion within ``budget`` bytes per row.
 
@@ -367,7 +372,10 @@ def allocate(
     no chunk); tiers only move down, and the distortion a chunk already has at its tier is
     sunk: each choice costs what it adds to it;
     evictable (B, C) bool; budget (B,) bytes for the chunks; fixed (B, C) bool, when given:
-    chunks that keep their tiers (their bytes count against the budget).
+    chunks that keep their tiers (their bytes count against the budget); group (C,) int64,
+    when given: columns with one id are parts of one chunk (its KV heads, ``head_tiers``),
+    evicted together, where all of them may be and their eviction distortions together are
+    below what their cheapest tiers cost.
     -> new k_tier, v_tier (B, C) int64, EVICTED at the same places in both.
 
     One λ per row, by bisection on log λ: the smallest price of a byte whose choices fit the
@@ -397,6 +405,13 @@ def allocate(
     de = (de - held_k[..., 0] - held_v[..., 0]).clamp(min=0)
     can_evict = evictable & valid
     limit = budget.double() / unit
+    if group is not None:
+        group = group.to(device)
+        parts = int(group.max()) + 1 if group.numel() else 0
+        # a group may go where every part of it may and at least one is there
+        blocked = torch.zeros(valid.shape[0], parts, device=device).index_add_(1, group, (valid & ~can_evict).float())
+        present = torch.zeros_like(blocked).index_add_(1, group, valid.float())
+        can_evict = valid & ((blocked == 0) & (present > 0))[:, group]
 
     def choose(log_price: torch.Tensor):
         price = torch.pow(10.0, log_price)[:, None, None]
@@ -404,7 +419,12 @@ def allocate(
         cost_v = (dv + price * bv).masked_fill(~allowed_v, float("inf"))
         best_k, tk = cost_k.min(-1)
         best_v, tv = cost_v.min(-1)
-        evict = can_evict & (de < best_k + best_v)
+        if group is None:
+            evict = can_evict & (de < best_k + best_v)
+        else:
+            gain = torch.where(can_evict, best_k + best_v - de, 0.0)
+            evict = can_evict & (torch.zeros(gain.shape[0], parts, dtype=gain.dtype, device=device)
+                                 .index_add_(1, group, gain) > 0)[:, group]  # fmt: skip
         used = torch.where(evict | ~valid, 0.0, bk[tk] + bv[tv]).sum(1)
         return tk, tv, evict, used
 
@@ -438,6 +458,7 @@ class LayerChoices:
     evictable: torch.Tensor
     budget: torch.Tensor
     energy: torch.Tensor
+    group: torch.Tensor | None = None
 
     def kept(self, keep: torch.Tensor, k_tier: torch.Tensor, v_tier: torch.Tensor) -> "LayerChoices":
         """These choices after a move to ``k_tier``, ``v_tier`` (B, C) that kept the chunks
@@ -456,6 +477,30 @@ class LayerChoices:
             compact(self.d_k, 0), compact(self.d_v, 0), compact(self.d_evict, 0), compact(k_tier, -1),
             compact(v_tier, -1), compact(self.evictable, False), self.budget, self.energy,
         )  # fmt: skip
+
+
+    def joined(self, split: int) -> "LayerChoices":
+        """These choices of a layer whose KV heads are rows of their own (``split`` storage rows
+        per batch row, (B·split, C)) as one row per batch row (B, split·C), with the heads'
+        budgets and energies summed: one price of a byte for all heads of a row, so bytes
+        move to the heads where they lower the error most (``config.head_tiers``).
+        :func:`split_rows` takes the chosen tiers back."""
+        if split == 1:
+            return self
+
+        def join(x: torch.Tensor) -> torch.Tensor:
+            return x.reshape(x.shape[0] // split, split * x.shape[1], *x.shape[2:])
+
+        per_row = (self.d_k, self.d_v, self.d_evict, self.k_tier, self.v_tier, self.evictable)
+        sums = (x.reshape(-1, split).sum(1) for x in (self.budget, self.energy))
+        c = self.d_k.shape[1]  # a column of each head's row holds the same chunk while they evict together
+        group = torch.arange(split * c, device=self.d_k.device) % c if HEAD_EVICTION == "chunk" else None
+        return LayerChoices(*(join(x) for x in per_row), *sums, group)
+
+
+def split_rows(tiers: torch.Tensor, split: int) -> torch.Tensor:
+    """Tiers (B, split·C) of :meth:`LayerChoices.joined` rows as (B·split, C), a storage row each."""
+    return tiers.reshape(tiers.shape[0] * split, tiers.shape[1] // split)
 
 
 def tier_bytes(k_tier: torch.Tensor, v_tier: torch.Tensor, bytes_k: torch.Tensor, bytes_v: torch.Tensor) -> torch.Tensor:
@@ -491,8 +536,12 @@ def share(
     evictable = torch.cat([x.evictable for x in layers], 1)
     fixed = torch.zeros_like(evictable)
     total = sum(x.budget for x in layers)
+    group = None
+    if any(x.group is not None for x in layers):  # each layer's chunks their own groups
+        ids = [torch.arange(w, device=d_k.device) if x.group is None else x.group.to(d_k.device) for x, w in zip(layers, widths)]
+        group = torch.cat([i + a - w for i, a, w in zip(ids, itertools.accumulate(widths), widths)])
     for _ in range(len(layers) + 1):
-        k, v = allocate(d_k, d_v, d_evict, bytes_k, bytes_v, k_tier, v_tier, evictable, total, fixed)
+        k, v = allocate(d_k, d_v, d_evict, bytes_k, bytes_v, k_tier, v_tier, evictable, total, fixed, group)
         if floor <= 0:
             break
         moved = False
@@ -500,7 +549,7 @@ def share(
             short = ~fixed[:, cols].any(1) & (tier_bytes(k[:, cols], v[:, cols], bytes_k, bytes_v) < floor * x.budget)
             if short.any():
                 own_k, own_v = allocate(x.d_k, x.d_v, x.d_evict, bytes_k, bytes_v, x.k_tier, x.v_tier, x.evictable,
-                                        floor * x.budget)  # fmt: skip
+                                        floor * x.budget, group=x.group)  # fmt: skip
                 k_tier[short, cols], v_tier[short, cols] = own_k[short], own_v[short]
                 fixed[short, cols] = True
                 moved = True

@@ -277,6 +277,14 @@ class HqeKVConfig:
         splits the budget so from each layer's measured sensitivity
         (:func:`hqekv.allocation.split_budget`). None: the layers share ``bavg``, one price
         of a byte for the whole model (:func:`hqekv.allocation.share`).
+    head_tiers : bool, default False
+        Each KV head's part of a chunk takes a tier of its own (kept, quantized or evicted
+        apart from the other heads'), ranked by the importance its own query heads give it;
+        under the allocator one budget serves all heads of a layer (or of the model), so bytes
+        move to the heads where they lower the error most. The layer stores each head as a
+        row of its own: its chunk tables hold an entry per chunk and head. False: a chunk's
+        tier holds for all its KV heads (the paper). A model with one KV head is the same
+        either way.
     chunked_prefill : {"wait", "wait-4bit", "evict"}, default "wait"
         What the cache does while a prompt arrives in pieces (``generate(prefill_chunk_size=...)``,
         or :meth:`~hqekv.cache.HqeKVCache.defer_eviction` in a loop of one's own). "wait":
@@ -313,6 +321,7 @@ class HqeKVConfig:
     layer_ratios: tuple[TierRatios, ...] | None = None
     allocation: str = "ratios"
     layer_bits: tuple[float, ...] | None = None
+    head_tiers: bool = False
     chunked_prefill: str = "wait"
     ratios_source: str = "explicit"
     version: int = field(default=CONFIG_VERSION)
@@ -373,6 +382,8 @@ class HqeKVConfig:
                 raise ValueError("layer_bits are per-layer budgets of the rate-distortion allocator; "
                                  "with allocation='ratios' give layer_ratios")  # fmt: skip
             object.__setattr__(self, "layer_bits", coerce_layer_bits(self.layer_bits, self.bavg))
+        if not isinstance(self.head_tiers, bool):
+            raise ValueError(f"head_tiers must be True or False, got {self.head_tiers!r}")
         if self.rotation not in ROTATIONS:
             raise ValueError(f"rotation must be one of {ROTATIONS}, got {self.rotation!r}")
         if self.fp_dtype not in FP_DTYPES:
@@ -447,7 +458,7 @@ class HqeKVConfig:
         return cls(**d)
 
 
-RATIO_FIELDS = ("ratios", "bavg", "key_ratios", "layer_ratios", "allocation", "layer_bits")
+RATIO_FIELDS = ("ratios", "bavg", "key_ratios", "layer_ratios", "allocation", "layer_bits", "head_tiers")
 """HqeKVConfig fields that say how many bits go where: what a calibration finds."""
 RUNTIME_FIELDS = ("importance", "chunked_prefill", "ratios_source", "version")
 """HqeKVConfig fields that are neither ratios nor a setting a calibration is made for."""

@@ -36,8 +36,9 @@ class MemoryReport:
     code_bits : int
         Code bits the paper counts for them (FP16 chunks and the tail 16, evicted 0).
     chunks : dict[str, int]
-        Kept chunks per component and tier and evicted chunks, summed over layers; tail
-        tokens and real tokens of all sequences (the same in every layer).
+        Kept chunks per component and tier and evicted chunks, summed over layers (with
+        ``head_tiers``, a chunk of each KV head counts once: a chunk's heads hold tiers of
+        their own); tail tokens and real tokens of all sequences (the same in every layer).
     sliding_elements : int
         Of ``elements``, those in sliding-window layers (kept exactly, 16 code bits each).
     requested_bavg : float or None
@@ -153,11 +154,11 @@ def cache_report(layers: Iterable, requested_bavg: float | None, chunk_size: int
             continue
         for part, n in layer.storage().items():
             report.bytes_by_part[part] = report.bytes_by_part.get(part, 0) + n
-        per_token = layer.num_kv_heads * layer.head_dim  # elements per token per component
+        per_token = layer.model_kv_heads * layer.head_dim  # elements per token per component
         elt = torch.empty(0, dtype=layer.dtype).element_size()
         if layer.is_sliding:
             held = layer.held_tokens()
-            report.dense_bytes += 2 * layer.batch_size * min(layer.seen, layer.window - 1) * per_token * elt
+            report.dense_bytes += 2 * layer.rows * min(layer.seen, layer.window - 1) * per_token * elt
             report.fp16_bytes += 2 * held * per_token * 2
             report.elements += 2 * held * per_token
             report.sliding_elements += 2 * held * per_token
@@ -168,10 +169,10 @@ def cache_report(layers: Iterable, requested_bavg: float | None, chunk_size: int
             # chunk counts add up over layers; token counts are the same in every layer
             per_layer = part in ("real_tokens", "tail_tokens")
             report.chunks[part] = n if per_layer else report.chunks.get(part, 0) + n
-        report.dense_bytes += 2 * layer.batch_size * layer.seen * per_token * elt
+        report.dense_bytes += 2 * layer.rows * layer.seen * per_token * elt
         report.fp16_bytes += 2 * counts["real_tokens"] * per_token * 2
         report.elements += 2 * counts["real_tokens"] * per_token
-        chunk_elements = chunk_size * per_token
+        chunk_elements = chunk_size * layer.num_kv_heads * layer.head_dim  # a stored chunk's (its heads' rows: one head)
         for comp in (KEY, VALUE):
             for t in (FP16, *QUANTIZED_TIERS):
                 bits = TIER_CODE_BITS[t] if t == FP16 else layer.pools[comp].bits(t)  # a prompt's waiting keys: 8

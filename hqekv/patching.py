@@ -58,6 +58,7 @@ def patch_model(
     rotation: str | None = None,
     importance: str = "attention",
     chunked_prefill: str = "wait",
+    head_tiers: bool = False,
 ):
     """Make ``model`` keep its KV cache with HqeKV, in place; returns ``model``.
 
@@ -112,6 +113,9 @@ def patch_model(
         too (about 4.75 bits per element, the answers moving more); "evict" keeps the cache
         near its budget from the first piece on (the smallest peak memory, at a larger
         quality cost). See :class:`hqekv.HqeKVConfig`.
+    head_tiers : bool, default False
+        Each KV head's part of a chunk at a tier of its own, the budget shared by a layer's
+        heads (:class:`hqekv.HqeKVConfig`).
     chunk_size, window, rerank_interval, protected_chunks, eviction, metadata_dtype, fp_dtype, rotation, importance
         See :class:`hqekv.HqeKVConfig`.
 
@@ -166,6 +170,7 @@ def patch_model(
         rotation=rotation,
         importance=importance,
         chunked_prefill=chunked_prefill,
+        head_tiers=head_tiers,
         **({} if layer_bits is None else {"layer_bits": layer_bits}),
         **({} if profile else {"profile": False}),
     )

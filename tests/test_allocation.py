@@ -259,33 +259,42 @@ def test_ratio_bits_are_the_real_bits_a_cache_under_those_shares_holds(dtype):
 
 
 @pytest.mark.parametrize(
-    "bavg, prior, floor, next_chunk",
-    [(0.5, 0, 0, 0), (1.0, 0, 0, 0), (2.0, 0, 0, 0), (3.2, 0, 0, 0), (6.0, 0, 0, 0), (1.0, 0.3, 0, 0), (1.0, 0, 0.5, 0),
-     (1.0, 0, 0, 1)],
+    "bavg, prior, floor, next_chunk, head_tiers",
+    [(0.5, 0, 0, 0, False), (1.0, 0, 0, 0, False), (2.0, 0, 0, 0, False), (3.2, 0, 0, 0, False), (6.0, 0, 0, 0, False),
+     (1.0, 0.3, 0, 0, False), (1.0, 0, 0.5, 0, False), (1.0, 0, 0, 1, False), (0.5, 0, 0, 0, True),
+     (2.0, 0, 0, 0, True), (6.0, 0, 0, 0, True)],
 )  # fmt: skip
-def test_the_budget_holds_at_every_rerank_through_prefill_and_decode(bavg, prior, floor, next_chunk, monkeypatch):
+def test_the_budget_holds_at_every_rerank_through_prefill_and_decode(bavg, prior, floor, next_chunk, head_tiers,
+                                                                     monkeypatch):  # fmt: skip
     monkeypatch.setattr(hqekv.allocation, "PRIOR", prior)
     monkeypatch.setattr(hqekv.allocation, "LAYER_FLOOR", floor)
     monkeypatch.setattr(hqekv.allocation, "NEXT_CHUNK", next_chunk)
     model = tiny_llama(layers=3)
-    hqekv.patch_model(model, bavg, ratios="auto")
+    hqekv.patch_model(model, bavg, ratios="auto", head_tiers=head_tiers)
     ids = torch.randint(1, 128, (2, 1200), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
     mask[1, :150] = 0  # left padding over whole chunks
     cache = hqekv.new_cache(model)
     reranks = 0
 
+    def per_row(layer, x: torch.Tensor) -> torch.Tensor:
+        """A layer's per-storage-row amounts summed per batch row (its heads' rows: head_tiers)."""
+        return x.reshape(2, -1).sum(1)
+
     def check(rows: torch.Tensor) -> None:
-        # each layer within its share of the budget, the shares within the model's budget
+        # each layer within its share of the budget (a row's heads together), the shares within the model's budget
         total = torch.zeros(2, dtype=torch.float64)
         for layer in cache.hqekv_layers:
+            assert layer.split == (2 if head_tiers else 1)
             elements = layer.counters.n_chunks * (2 * layer.num_kv_heads * 32 * layer.head_dim)
-            assert (chunk_bytes_of(layer) <= layer.counters.budget_share * bavg / 8 * elements + 1e-6)[rows].all()
+            allowed = per_row(layer, layer.counters.budget_share * bavg / 8 * elements)
+            assert (per_row(layer, chunk_bytes_of(layer)) <= allowed + 1e-6)[rows].all()
             assert layer.pending is None
-            total += bavg / 8 * elements
-        used = sum(chunk_bytes_of(layer) for layer in cache.hqekv_layers)
+            total += per_row(layer, bavg / 8 * elements)
+        used = sum(per_row(layer, chunk_bytes_of(layer)) for layer in cache.hqekv_layers)
         assert (used <= total + 1e-6)[rows].all()
-        shares = torch.stack([layer.counters.budget_share for layer in cache.hqekv_layers])
+        # a layer's share of a batch row's budget: its heads' rows hold equal fair parts
+        shares = torch.stack([layer.counters.budget_share.reshape(2, -1).mean(1) for layer in cache.hqekv_layers])
         assert (shares.mean(0) <= 1 + 1e-9).all() and (shares <= hqekv.allocation.PROVISIONAL + 1e-9).all()
 
     with torch.no_grad():
@@ -298,6 +307,7 @@ def test_the_budget_holds_at_every_rerank_through_prefill_and_decode(bavg, prior
             out = model(input_ids=token, attention_mask=mask, cache=cache)
             token = out.logits[:, -1:].argmax(-1)
             reranked = cache.hqekv_layers[0].counters.since_rerank <= before  # reset to 0, then this step's token
+            reranked = reranked.reshape(2, -1).all(1)  # a row's heads re-rank together
             check(reranked)
             reranks += int(reranked.sum())
     assert reranks >= 4  # both rows re-ranked (at least) twice

@@ -17,13 +17,15 @@ from .helpers import EVERY_TIER
 PER_LAYER = (TierRatios(int4=0.6, int2=0.4), TierRatios(int2=0.2, int1=0.4, evict=0.4))  # 3.2 and 0.8 bits
 
 
-@pytest.mark.parametrize("setting", ["rotated", "per-layer", "auto", "auto-layer-bits"])
+@pytest.mark.parametrize("setting", ["rotated", "per-layer", "auto", "auto-layer-bits", "auto-heads"])
 def test_compiled_generate_equals_eager_and_compiles_decode_once(setting):
     model = tiny_llama().to(DEVICE)
     if setting == "rotated":  # the rotated path compiles too
         hqekv.patch_model(model, ratios=EVERY_TIER, rotation="hadamard")
     elif setting == "auto":  # the rate-distortion allocator re-ranks in the eager step
         hqekv.patch_model(model, 1.5, ratios="auto")
+    elif setting == "auto-heads":  # each KV head's part of a chunk at its own tier: a head per row
+        hqekv.patch_model(model, 1.5, ratios="auto", head_tiers=True)
     elif setting == "auto-layer-bits":  # the allocator, each layer within its own budget
         hqekv.patch_model(model, 1.5, ratios="auto", layer_bits=[1.0, 2.0])
     else:  # each layer re-ranks at its own ratios, in the one decode graph
@@ -43,12 +45,13 @@ def test_compiled_generate_equals_eager_and_compiles_decode_once(setting):
     assert per_step[-1] == per_step[1], per_step
 
 
-def test_generate_with_a_compile_config_decodes_with_the_compiled_step():
+@pytest.mark.parametrize("head_tiers", [False, True])
+def test_generate_with_a_compile_config_decodes_with_the_compiled_step(head_tiers):
     """``generate(..., compile_config=...)`` compiles the decode step of a patched model as one
     whole graph (fullgraph=True; the cache is compileable and its eager step runs between
-    steps), keeps the 2-D padding mask, and gives the eager tokens."""
+    steps), keeps the 2-D padding mask, and gives the eager tokens; with tiers per KV head too."""
     model = tiny_llama().to(DEVICE)
-    hqekv.patch_model(model, ratios=EVERY_TIER)
+    hqekv.patch_model(model, ratios=EVERY_TIER, head_tiers=head_tiers)
     assert hqekv.new_cache(model).is_compileable
     gen = torch.Generator().manual_seed(3)
     ids = torch.randint(1, 128, (2, 40), generator=gen)

@@ -36,6 +36,23 @@ from .tail import Tail
 from .view import CacheView
 
 
+def split_heads(x: torch.Tensor, split: int) -> torch.Tensor:
+    """(B, H, S, D) states as (B·split, H/split, S, D): each of ``split`` groups of heads a row
+    (query heads grouped as the KV heads they read)."""
+    if split == 1:
+        return x
+    b, h, s, d = x.shape
+    return x.reshape(b * split, h // split, s, d)
+
+
+def merge_heads(out: torch.Tensor, split: int) -> torch.Tensor:
+    """Attention outputs (B·split, S, Hq/split, D) of :func:`split_heads`' rows as (B, S, Hq, D)."""
+    if split == 1:
+        return out
+    bs, s, h, d = out.shape
+    return out.reshape(bs // split, split, s, h, d).transpose(1, 2).reshape(bs // split, s, split * h, d)
+
+
 class HqeKVLayer(RowStateLayer):
     """One attention layer's mixed-precision cache (SPEC §1.3–§1.4).
 
@@ -144,17 +161,21 @@ class HqeKVLayer(RowStateLayer):
                 "in, or start a new one"
             )
         self.scaling = scaling
+        dense = None
+        if not self.has_tokens and dense_attention is not None:
+            dense = dense_attention(query, key, value)  # unrotated: exactly the unpatched prefill
+        split = key.shape[1] if self.config.head_tiers else 1
+        query, key, value, new_valid = split_heads(query, split), split_heads(key, split), split_heads(value, split), \
+            new_valid.repeat_interleave(split, 0)  # fmt: skip
         if not self.has_tokens and not self.is_initialized:
             self._initialize(query, key, value)
+            self.split = split
         r = self.rotation
         q_r, k_r, v_r = rotate(query, r), rotate(key, r), rotate(value, r)  # the cache's basis
         if not self.has_tokens:
-            if dense_attention is not None:
-                out = dense_attention(query, key, value)  # unrotated: exactly the unpatched prefill
-            else:
-                out = unrotate(self.view().attend(q_r, k_r, v_r, new_valid, self.scaling), r)
+            out = dense if dense is not None else unrotate(self.view().attend(q_r, k_r, v_r, new_valid, self.scaling), r)
             self._store(q_r, k_r, v_r, new_valid)
-            return out
+            return out if dense is not None else merge_heads(out, split)
         out = unrotate(self.view().attend(q_r, k_r, v_r, new_valid, self.scaling), r)
         if s == 1:
             # a row whose full tail could not take an earlier token lost it: NaN, never a plausible answer
@@ -162,7 +183,7 @@ class HqeKVLayer(RowStateLayer):
             self._store_decode_token(q_r, k_r, v_r, new_valid)
         else:
             self._store(q_r, k_r, v_r, new_valid)
-        return out
+        return merge_heads(out, split)
 
     @torch.compiler.disable
     def _initialize(self, query, key, value) -> None:
@@ -261,7 +282,7 @@ class HqeKVLayer(RowStateLayer):
             [self.tail.length.float(), self.tail.peak()[None], overrun.any().float()[None]]
         ).tolist()
         if any_overrun:
-            rows = overrun.nonzero().flatten().tolist()
+            rows = sorted(set((overrun.nonzero().flatten() // self.split).tolist()))
             raise RuntimeError(
                 f"layer {self.layer_idx}: decode steps ran without HqeKVCache.maintain() between them, and the full "
                 f"FP16 tail of rows {rows} could not take a token (their outputs since are NaN); call cache.maintain() "
@@ -366,6 +387,6 @@ class HqeKVLayer(RowStateLayer):
             for t in (FP16, *QUANTIZED_TIERS):
                 out[f"{comp}.{TIER_NAMES[t]}"] = int((valid & (tier == t)).sum())
         out["evicted"] = int(self.counters.n_evicted.sum())
-        out["tail_tokens"] = int(self.tail.length.sum())
-        out["real_tokens"] = int(self.counters.real_len.sum())
+        out["tail_tokens"] = int(self.tail.length.sum()) // self.split  # a token's heads are rows of their own
+        out["real_tokens"] = int(self.counters.real_len.sum()) // self.split
         return out

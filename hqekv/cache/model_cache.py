@@ -120,11 +120,13 @@ class HqeKVCache(Cache):
             )
             for layer in layers
         ]
+        rows = [found.joined(layer.split) for layer, found in zip(layers, choices)]  # a row's heads: one budget
         if allocation.LAYER_SCALE == "off" or self.config.layer_bits is not None:  # each layer its own budget
-            tiers = [allocation.share([found], *budget.chunk_bytes(layers[0]))[0] for found in choices]
+            tiers = [allocation.share([found], *budget.chunk_bytes(layers[0]))[0] for found in rows]
         else:
-            tiers = allocation.share(choices, *budget.chunk_bytes(layers[0]))
-        for layer, found, (k, v) in zip(layers, choices, tiers):
+            tiers = allocation.share(rows, *budget.chunk_bytes(layers[0]))
+        tiers = [tuple(allocation.split_rows(x, layer.split) for x in kv) for layer, kv in zip(layers, tiers)]
+        for layer, (k, v) in zip(layers, tiers):
             layer.pending = None
             with torch.no_grad():
                 rerank.apply_tiers(layer, layer.live_table(), k, v)  # marks the new storage for compile

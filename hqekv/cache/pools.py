@@ -37,7 +37,9 @@ class QuantizedPool:
     meta1: torch.Tensor
 
     def select(self, slots: torch.Tensor) -> "QuantizedPool":
-        return QuantizedPool(self.codes[slots], self.meta0[slots], self.meta1[slots])
+        if isinstance(slots, torch.Tensor) and slots.dtype != torch.bool:  # index_select: an empty selection keeps canonical strides
+            return QuantizedPool(*(x.index_select(0, slots) for x in self.tensors()))
+        return QuantizedPool(*(x[slots] for x in self.tensors()))
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return (self.codes, self.meta0, self.meta1)

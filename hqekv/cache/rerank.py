@@ -150,7 +150,8 @@ def rebuild(
             if t == FP16:
                 if rm.numel():
                     raise AssertionError("a chunk moved up to FP16; tiers only move down")
-                by_tier[t] = pools[component].fp[old_slot[rs, cs]]
+                # index_select: an empty selection keeps a one-head pool's strides (compiled steps guard them)
+                by_tier[t] = pools[component].fp.index_select(0, old_slot[rs, cs])
             else:
                 # the new pool is written in place: the chunks that stay, then the moved ones
                 # a batch at a time (quantizing's temporaries stay the size of a batch)
@@ -356,6 +357,10 @@ def allocator_choices(layer, provisional: bool = False) -> "allocation.LayerChoi
             )  # fmt: skip
     d_k, d_v, d_evict = allocation.with_successors(d_k, d_v, d_evict, table.chunk_pos, allocation.NEXT_CHUNK)
     chunks = table.kept()
+    if layer.split > 1 and allocation.HEAD_EVICTION == "chunk":
+        # its heads are evicted together (their rows hold the same chunks, column by column):
+        # the protected chunks are the most important ones over all heads, as with one row
+        scores = scores.reshape(2, -1, layer.split, c).sum(2).repeat_interleave(layer.split, 1)
     evictable = chunks & ~protected(scores, chunks, cfg.protected_chunks)
     allowance = allocation.PROVISIONAL if provisional else 1.0
     row_budget = budget.fair_budget(layer) * layer.counters.budget_share * allowance
@@ -413,10 +418,11 @@ def rerank(layer, rows: torch.Tensor, provisional: bool = False) -> None:
         found = allocator_choices(layer, provisional)
         if layer.deferring:
             found.evictable = torch.zeros_like(found.evictable)
-        prop_k, prop_v = allocation.allocate(
-            found.d_k, found.d_v, found.d_evict, *budget.chunk_bytes(layer), found.k_tier, found.v_tier,
-            found.evictable, found.budget,
-        )  # fmt: skip
+        row = found.joined(layer.split)  # a row's heads share its budget (config.head_tiers)
+        prop_k, prop_v = (allocation.split_rows(x, layer.split) for x in allocation.allocate(
+            row.d_k, row.d_v, row.d_evict, *budget.chunk_bytes(layer), row.k_tier, row.v_tier, row.evictable,
+            row.budget, group=row.group,
+        ))  # fmt: skip
     else:
         score_k, score_v = chunk_scores(layer)
         counters = layer.counters

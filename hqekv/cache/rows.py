@@ -201,9 +201,32 @@ class RowStateLayer(CacheLayerMixin):
     :data:`GROWTH`).
     """
 
+    split = 1
+    """Storage rows per batch row: 1, or a layer's KV heads when each head is a row of its own
+    (``config.head_tiers``, :class:`~hqekv.cache.HqeKVLayer`). ``batch_size`` and
+    ``num_kv_heads`` count storage rows and the KV heads of each; :attr:`rows` and
+    :attr:`model_kv_heads` the model's."""
+
     def __init__(self, max_length: int | None = None):
         super().__init__()
         self.capacity = capacity_for(max_length)
+
+    @property
+    def rows(self) -> int:
+        """The batch rows (of the model's input) this layer holds."""
+        return self.batch_size // self.split
+
+    @property
+    def model_kv_heads(self) -> int:
+        """The model's KV heads per batch row."""
+        return self.num_kv_heads * self.split
+
+    def storage_rows(self, index: torch.Tensor) -> torch.Tensor:
+        """Storage rows of the batch rows ``index`` (N,) -> (N·split,), each row's in order."""
+        if self.split == 1:
+            return index
+        heads = torch.arange(self.split, device=index.device)
+        return (index[:, None] * self.split + heads).flatten()
 
     @property
     def max_length(self) -> int | None:
@@ -230,11 +253,11 @@ class RowStateLayer(CacheLayerMixin):
         """``ValueError`` when keys (B, Hkv, S, D) do not fit this initialized layer's rows,
         KV heads and head dim."""
         if self.is_initialized and (
-            key.shape[0] != self.batch_size or key.shape[1] != self.num_kv_heads or key.shape[3] != self.head_dim
+            key.shape[0] != self.rows or key.shape[1] != self.model_kv_heads or key.shape[3] != self.head_dim
         ):
             raise ValueError(
-                f"keys of shape {tuple(key.shape)} do not fit a cache of {self.batch_size} rows, "
-                f"{self.num_kv_heads} KV heads, head dim {self.head_dim}"
+                f"keys of shape {tuple(key.shape)} do not fit a cache of {self.rows} rows, "
+                f"{self.model_kv_heads} KV heads, head dim {self.head_dim}"
             )
 
     def pin(self) -> None:
@@ -297,11 +320,17 @@ class RowStateLayer(CacheLayerMixin):
         """In place (addresses stay). Rows may then share pool slots; the next rebuild gives
         each its own copy."""
         if self.is_initialized:
+            index = self.storage_rows(beam_idx.to(self.device))
             for part in self.row_parts():
-                part.reorder(beam_idx)
+                part.reorder(index)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        self._map_rows(lambda t: t.repeat_interleave(repeats, dim=0))
+        if self.is_initialized:
+            self.batch_select_indices(torch.arange(self.rows, device=self.device).repeat_interleave(repeats))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._map_rows(lambda t: t[indices])
+        if self.is_initialized:
+            index = torch.as_tensor(indices, device=self.device)
+            if index.dtype == torch.bool:
+                index = index.nonzero().flatten()
+            self._map_rows(lambda t: t[self.storage_rows(index).to(t.device)])

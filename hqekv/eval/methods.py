@@ -29,6 +29,8 @@
 - ``shared:B``: ``patch_model(model, B, ratios="auto", layer_bits="shared")``: the allocator
   with one budget its layers share, even where a layer profile would split it (the
   allocator before layer profiles; the baseline they are measured against).
+- ``heads:B``: ``auto:B`` with ``head_tiers=True``: each KV head's part of a chunk at a
+  tier of its own, one budget for a layer's heads.
 - ``fallback:B``: the fixed shares of :func:`hqekv.uncalibrated_ratios` (what a model
   without an artifact got before the allocator), even where an artifact exists.
 - ``quanto:B`` (B in 2, 4): the external anchor, transformers' ``QuantizedCache`` with
@@ -50,7 +52,7 @@ from ..config import TierRatios, check_bavg, uncalibrated_ratios
 
 KINDS = (
     "fp16", "kivi", "rkivi", "evict", "hqekv", "rhqekv", "calibrated", "random", "quanto", "paper", "rpaper", "auto",
-    "shared", "fallback",
+    "shared", "heads", "fallback",
 )  # fmt: skip
 ONE_SET = ("paper", "rpaper")
 """Kinds that use the calibrated ratios as one set for every layer, without per-layer budgets."""
@@ -84,6 +86,8 @@ class Method:
             return {"ratios": TierRatios(fp16=keep, evict=1 - keep), "eviction": "key", "rotation": None}
         if self.kind == "auto":
             return {"bavg": self.bits, "ratios": "auto"}
+        if self.kind == "heads":
+            return {"bavg": self.bits, "ratios": "auto", "head_tiers": True}
         if self.kind == "shared":
             return {"bavg": self.bits, "ratios": "auto", "layer_bits": "shared"}
         if self.kind == "fallback":
@@ -144,7 +148,7 @@ def parse_method(spec: str) -> Method:
     if not match or match.group(1) not in KINDS:
         raise ValueError(
             f"unknown method {spec!r}; use fp16, kivi:B or rkivi:B (B in 1, 2, 4), evict:B, hqekv:B, rhqekv:B, "
-            "calibrated:B, random:B, quanto:B (B in 2, 4), paper:B, rpaper:B, auto:B, shared:B or fallback:B"
+            "calibrated:B, random:B, quanto:B (B in 2, 4), paper:B, rpaper:B, auto:B, shared:B, heads:B or fallback:B"
         )
     kind, bits = match.group(1), match.group(2)
     if kind == "fp16":
