@@ -37,6 +37,11 @@ Graham essays from an offset drawn by SEED (the needle tasks' haystack, another 
 text); mean KL is then a far less noisy measure of closeness to fp16 than the ppl task's
 |ΔNLL| of a mean NLL, in which errors of opposite sign cancel.
 
+``--head-eviction head`` runs the ``heads:B`` methods (tiers per KV head, ``head_tiers=True``)
+with each KV head's part of a chunk evicted apart, where by default
+(:data:`hqekv.allocation.HEAD_EVICTION` "chunk") a chunk is evicted for all its heads or
+none. Docs: docs/results.md, "Tiers per KV head".
+
 ``--layer-weight fisher`` (or ``fisher-sqrt``) shares the budget with each layer's
 distortions weighed by the mean Fisher information of its attention output (the input of
 ``o_proj``), measured once by a backward pass on the segment after the scored ones with
@@ -251,7 +256,10 @@ def main():
     parser.add_argument("--bits", type=float, default=1.0, help="the budget of the layer measured (default %(default)s)")
     parser.add_argument("--heldout", type=int, metavar="SEED", help="score on held-out text drawn by SEED")
     parser.add_argument("--heldout-text", choices=["squad", "essays"], default="squad")
+    parser.add_argument("--head-eviction", choices=["chunk", "head"], default=hqekv.allocation.HEAD_EVICTION,
+                        help="heads:B methods: a chunk evicted for all its KV heads or each head apart (an ablation)")
     args = parser.parse_args()
+    hqekv.allocation.HEAD_EVICTION = args.head_eviction
     if args.heldout is not None and args.layer_weight.startswith("fisher"):
         parser.error("--layer-weight fisher measures on the development text's next segment: not with --heldout")
     model, tokenizer, _ = load_model(args.model)
@@ -326,7 +334,7 @@ def main():
     where = "calibration articles (development)" if args.heldout is None else f"held-out {args.heldout_text}, seed {args.heldout}"
     save(args.out, {"model": args.model, "text": where, "context": args.context,
                     "segments": args.segments, "layer_weight": args.layer_weight, "fisher": fisher, "split": args.split,
-                    "strength": args.strength if args.split else None, "rows": rows})  # fmt: skip
+                    "strength": args.strength if args.split else None, "head_eviction": args.head_eviction, "rows": rows})  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -14,7 +14,8 @@ SmolLM2's 8192 positions. Rows:
   ratios="auto")``, the rate-distortion allocator (its re-ranks cost more: the seconds spent
   re-ranking per re-rank of a layer, ``rerank_ms``, are reported for every bavg), each layer
   at its own budget where the model's layer profile splits it; ``shared:B`` the allocator
-  with one budget the layers share (``layer_bits="shared"``);
+  with one budget the layers share (``layer_bits="shared"``); ``heads:B`` the allocator with
+  tiers per KV head (``head_tiers=True``);
 - ``hqekv_compiled`` per bavg: ``generate(..., compile_config=CompileConfig(fullgraph=True))``,
   the decode step compiled by transformers as one whole graph (compiled once on a short
   prompt before timing; the compile time is reported apart);
@@ -31,6 +32,7 @@ from common import essay_ids, load_smollm2, save
 from transformers import CompileConfig, LogitsProcessor, LogitsProcessorList
 
 import hqekv
+from hqekv.eval.methods import parse_method
 from hqekv.eval.tasks import greedy_generate
 
 
@@ -73,15 +75,14 @@ def loop(model, ids, new_tokens):
 
 
 def patch(model, bavg):
-    """``bavg`` a number (shipped or fallback ratios), ``"auto:B"`` (the rate-distortion allocator,
-    each layer at its own budget where a layer profile splits it) or ``"shared:B"`` (the
-    allocator with one budget its layers share)."""
+    """``bavg`` a number (shipped or fallback ratios) or a method of ``hqekv eval``
+    (:mod:`hqekv.eval.methods`): ``"auto:B"`` (the rate-distortion allocator, each layer at its
+    own budget where a layer profile splits it), ``"shared:B"`` (the allocator with one budget
+    its layers share), ``"heads:B"`` (``auto:B`` with tiers per KV head), ..."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", hqekv.UncalibratedRatiosWarning)
-        if str(bavg).startswith("auto:"):
-            hqekv.patch_model(model, bavg=float(bavg[5:]), ratios="auto")
-        elif str(bavg).startswith("shared:"):
-            hqekv.patch_model(model, bavg=float(bavg[7:]), ratios="auto", layer_bits="shared")
+        if ":" in str(bavg):
+            hqekv.patch_model(model, **parse_method(str(bavg)).patch_kwargs())
         else:
             hqekv.patch_model(model, bavg=float(bavg))
 
@@ -196,8 +197,8 @@ def main():
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8128])
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--bavg", nargs="+", default=["2", "3.2"],
-                        help="bits per element: B (shipped or fallback ratios), auto:B (ratios='auto') or shared:B "
-                        "(ratios='auto', layer_bits='shared')")
+                        help="bits per element: B (shipped or fallback ratios), or a method of hqekv eval: auto:B "
+                        "(ratios='auto'), shared:B (ratios='auto', layer_bits='shared'), heads:B (head_tiers=True)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--no-compile", action="store_true", help="skip the compiled runs")
     parser.add_argument("--repeats", type=int, default=3, help="passes over every configuration, the best kept")

@@ -116,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("eval", help="score KV-cache methods on tasks at equal memory: JSON, markdown table, plots")
     _add_model_args(p)
     p.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS),
-                   help="fp16, kivi:B, rkivi:B, evict:B, quanto:B, hqekv:B, rhqekv:B, calibrated:B, paper:B, rpaper:B, random:B, auto:B, shared:B, fallback:B")  # fmt: skip
+                   help="fp16, kivi:B, rkivi:B, evict:B, quanto:B, hqekv:B, rhqekv:B, calibrated:B, paper:B, rpaper:B, random:B, auto:B, shared:B, heads:B, fallback:B")  # fmt: skip
     p.add_argument("--tasks", nargs="+", default=list(DEFAULT_TASKS), help="needle, squad, ppl, niah_multikey, niah_multivalue, vt, cwe, or ruler (the last four and squad)")
     p.add_argument("--samples", type=int, default=4, help="samples per task (default %(default)s)")
     p.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048], help="prompt lengths in tokens")

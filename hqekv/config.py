@@ -278,13 +278,16 @@ class HqeKVConfig:
         (:func:`hqekv.allocation.split_budget`). None: the layers share ``bavg``, one price
         of a byte for the whole model (:func:`hqekv.allocation.share`).
     head_tiers : bool, default False
-        Each KV head's part of a chunk takes a tier of its own (kept, quantized or evicted
-        apart from the other heads'), ranked by the importance its own query heads give it;
-        under the allocator one budget serves all heads of a layer (or of the model), so bytes
-        move to the heads where they lower the error most. The layer stores each head as a
-        row of its own: its chunk tables hold an entry per chunk and head. False: a chunk's
-        tier holds for all its KV heads (the paper). A model with one KV head is the same
-        either way.
+        Each KV head's part of a chunk takes a tier of its own, ranked by the importance its
+        own query heads give it. Under fixed ratios each head keeps its shares, evicting
+        apart; under the allocator one budget serves all heads of a layer (or of the model),
+        so bytes move to the heads where they lower the error most, and a chunk is evicted
+        for all its heads or for none (:data:`hqekv.allocation.HEAD_EVICTION`). The layer
+        stores each head as a row of its own: its chunk tables hold an entry per chunk and
+        head (real bytes, counted). Off by default: on held-out text it was within the
+        spread of one tier per chunk (``docs/results.md``, "Tiers per KV head"). False: a
+        chunk's tier holds for all its KV heads (the paper). A model with one KV head is the
+        same either way.
     chunked_prefill : {"wait", "wait-4bit", "evict"}, default "wait"
         What the cache does while a prompt arrives in pieces (``generate(prefill_chunk_size=...)``,
         or :meth:`~hqekv.cache.HqeKVCache.defer_eviction` in a loop of one's own). "wait":
