@@ -320,6 +320,30 @@ def test_the_budget_holds_at_every_rerank_through_prefill_and_decode(bavg, prior
         assert counts["k.fp16"] + counts["v.fp16"] > 0
 
 
+def test_the_parts_of_a_group_are_evicted_together_by_their_summed_distortion():
+    """``group`` (tiers per KV head): columns 0 and 2 are one chunk's heads, 1 and 3 another's.
+    Each part alone would be evicted where its own eviction costs little; a group goes only
+    where its parts' eviction distortions together are below what keeping them costs (at the
+    price of a byte the budget sets), and not at all where one part may not be evicted."""
+    steps = torch.tensor([0.0, 0.1, 0.2, 0.3])
+    d_k = d_v = steps.expand(1, 4, 4).clone()
+    d_evict = torch.tensor([[0.01, 0.01, 5.0, 0.01]])
+    bytes_kv = torch.tensor([4.0, 2.0, 1.0, 0.5])
+    tiers = torch.zeros(1, 4, dtype=torch.long)
+    evictable = torch.ones(1, 4, dtype=torch.bool)
+    budget = torch.tensor([2.0])  # two parts at 1 bit
+    group = torch.tensor([0, 1, 0, 1])
+    k, v = allocation.allocate(d_k, d_v, d_evict, bytes_kv, bytes_kv, tiers, tiers, evictable, budget)
+    assert (k[0] == EVICTED).nonzero().flatten().tolist() == [0, 1, 3]
+    k, v = allocation.allocate(d_k, d_v, d_evict, bytes_kv, bytes_kv, tiers, tiers, evictable, budget, group=group)
+    assert (k[0] == EVICTED).nonzero().flatten().tolist() == [1, 3]
+    assert k[0, [0, 2]].tolist() == [INT1, INT1] and torch.equal(k == EVICTED, v == EVICTED)
+    protected = evictable.clone()
+    protected[0, 3] = False  # a part of the second chunk may not go: neither does the chunk, so the first one goes
+    k, _ = allocation.allocate(d_k, d_v, d_evict, bytes_kv, bytes_kv, tiers, tiers, protected, budget, group=group)
+    assert (k[0] == EVICTED).nonzero().flatten().tolist() == [0, 2]
+
+
 def test_auto_rejects_fixed_shares():
     model = tiny_llama()
     with pytest.raises(ValueError, match="chooses tiers by itself"):
