@@ -284,8 +284,9 @@ class HqeKVConfig:
         so bytes move to the heads where they lower the error most, and a chunk is evicted
         for all its heads or for none (:data:`hqekv.allocation.HEAD_EVICTION`). The layer
         stores each head as a row of its own: its chunk tables hold an entry per chunk and
-        head (real bytes, counted). Off by default: on held-out text it was within the
-        spread of one tier per chunk (``docs/results.md``, "Tiers per KV head"). False: a
+        head (real bytes, counted). Off by default: on held-out text its KL was within the
+        spread of one tier per chunk's, its perplexity loss lower (``docs/results.md``,
+        "Tiers per KV head"). False: a
         chunk's tier holds for all its KV heads (the paper). A model with one KV head is the
         same either way.
     chunked_prefill : {"wait", "wait-4bit", "evict"}, default "wait"
