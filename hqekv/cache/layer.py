@@ -144,7 +144,9 @@ class HqeKVLayer(RowStateLayer):
         ``hqekv::mixed_attention`` op, then the token written into the FP16 tail with fixed
         shapes. Flushing a full tail and re-ranking happen in :meth:`maintain`, which only
         :meth:`HqeKVCache.maintain` runs (before each forward of a patched model, and between
-        ``generate``'s steps). Other inputs store eagerly.
+        ``generate``'s steps). Other inputs store eagerly. With ``config.head_tiers`` the
+        states are stored with each KV head as a row of its own (:func:`split_heads`), and
+        the output regrouped (:func:`merge_heads`).
         """
         b, _, s, _ = key.shape
         if s == 0:
@@ -164,9 +166,10 @@ class HqeKVLayer(RowStateLayer):
         dense = None
         if not self.has_tokens and dense_attention is not None:
             dense = dense_attention(query, key, value)  # unrotated: exactly the unpatched prefill
-        split = key.shape[1] if self.config.head_tiers else 1
-        query, key, value, new_valid = split_heads(query, split), split_heads(key, split), split_heads(value, split), \
-            new_valid.repeat_interleave(split, 0)  # fmt: skip
+        split = key.shape[1] if self.config.head_tiers else 1  # each KV head a row of its own
+        if split > 1:
+            query, key, value = split_heads(query, split), split_heads(key, split), split_heads(value, split)
+            new_valid = new_valid.repeat_interleave(split, 0)
         if not self.has_tokens and not self.is_initialized:
             self._initialize(query, key, value)
             self.split = split
