@@ -2,7 +2,8 @@
 
     python benchmarks/head_budgets.py [--model smollm2] [--context 2048] [--bavg 1 2 3] [--out NAME]
 
-A chunk's tier holds for all its KV heads today. Per layer of a prefill of the calibration
+A chunk's tier holds for all its KV heads by default (``head_tiers=True`` builds tiers per
+head; docs/results.md, "Tiers per KV head", measures them on held-out text). Per layer of a prefill of the calibration
 text (never read by the evaluation), this takes the window probabilities the cache's
 re-rank would take (the last ``m`` queries), measures every choice's distortion
 (:func:`hqekv.allocation.distortions`) and lets :func:`hqekv.allocation.allocate` spend the
