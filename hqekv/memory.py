@@ -172,7 +172,7 @@ def cache_report(layers: Iterable, requested_bavg: float | None, chunk_size: int
         report.dense_bytes += 2 * layer.rows * layer.seen * per_token * elt
         report.fp16_bytes += 2 * counts["real_tokens"] * per_token * 2
         report.elements += 2 * counts["real_tokens"] * per_token
-        chunk_elements = chunk_size * layer.num_kv_heads * layer.head_dim  # a stored chunk's (its heads' rows: one head)
+        chunk_elements = chunk_size * layer.num_kv_heads * layer.head_dim  # a stored chunk's: one head's under head_tiers
         for comp in (KEY, VALUE):
             for t in (FP16, *QUANTIZED_TIERS):
                 bits = TIER_CODE_BITS[t] if t == FP16 else layer.pools[comp].bits(t)  # a prompt's waiting keys: 8

@@ -39,8 +39,6 @@ from .view import CacheView
 def split_heads(x: torch.Tensor, split: int) -> torch.Tensor:
     """(B, H, S, D) states as (B·split, H/split, S, D): each of ``split`` groups of heads a row
     (query heads grouped as the KV heads they read)."""
-    if split == 1:
-        return x
     b, h, s, d = x.shape
     return x.reshape(b * split, h // split, s, d)
 

@@ -210,7 +210,7 @@ def place(
             slot[at] = torch.arange(at.numel(), device=slot.device)
             chunks = index[at]
             source = encoded[component][t]
-            by_tier[t] = source[chunks].to(fp_dtype) if t == FP16 else source.select(chunks)
+            by_tier[t] = source.index_select(0, chunks).to(fp_dtype) if t == FP16 else source.select(chunks)
         tiers[component], slots[component] = tier[None], slot[None]
         pools[component] = ComponentPools(by_tier[FP16], {t: by_tier[t] for t in QUANTIZED_TIERS})
     table = ChunkTable(chunk_pos[:, index], tiers[KEY], slots[KEY], tiers[VALUE], slots[VALUE])

@@ -333,4 +333,5 @@ class RowStateLayer(CacheLayerMixin):
             index = torch.as_tensor(indices, device=self.device)
             if index.dtype == torch.bool:
                 index = index.nonzero().flatten()
-            self._map_rows(lambda t: t[self.storage_rows(index).to(t.device)])
+            rows = self.storage_rows(index)
+            self._map_rows(lambda t: t[rows])
